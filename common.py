@@ -1,0 +1,169 @@
+"""Shared pieces: defaults, the corpus schema, opening the table, tokenizers.
+
+Everything a user can get wrong here (a missing db, a table without the columns
+training needs, a tokenizer that is not available offline) is raised as
+`UserError`, which the entrypoints turn into one line on stderr and an exit code.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import pyarrow as pa
+
+DEFAULT_DB = "data/lancedb"
+DEFAULT_TABLE = "corpus"
+TRAIN_FILTER = "split = 'train'"
+VAL_FILTER = "split = 'val'"
+
+CORPUS_SCHEMA = pa.schema(
+    [
+        pa.field("id", pa.int64()),
+        pa.field("text", pa.string()),
+        pa.field("input_ids", pa.list_(pa.int32())),
+        pa.field("n_tokens", pa.int32()),
+        pa.field("score", pa.float32()),
+        pa.field("is_dup", pa.bool_()),
+        pa.field("split", pa.string()),
+    ]
+)
+
+# What training reads, and the arrow types it accepts for each column.
+_TRAIN_COLUMNS: dict[str, tuple[str, Callable[[pa.DataType], bool]]] = {
+    "input_ids": (
+        "a list of integers",
+        lambda t: (pa.types.is_list(t) or pa.types.is_large_list(t))
+        and pa.types.is_integer(t.value_type),
+    ),
+    "n_tokens": ("an integer", pa.types.is_integer),
+    "score": ("a float", pa.types.is_floating),
+    "is_dup": ("a bool", pa.types.is_boolean),
+    "split": ("a string", lambda t: pa.types.is_string(t) or pa.types.is_large_string(t)),
+}
+
+
+class UserError(Exception):
+    """A mistake the user can fix; printed as one line, never as a traceback."""
+
+
+def is_remote(uri: str) -> bool:
+    """Object-store URIs (s3://, gs://, az://...) cannot be checked with os.path."""
+    return "://" in uri
+
+
+def connect_table(db: str, table: str):
+    """Open `table` in `db`, checking it has the columns training reads."""
+    import lancedb  # deferred: importing lancedb costs ~1 s and `--help` should not pay it
+
+    if not is_remote(db) and not os.path.isdir(db):
+        raise UserError(
+            f"no LanceDB database at {db!r}; create one with "
+            f"`python prepare_data.py INPUT --db {db} --table {table}`"
+        )
+    try:
+        tbl = lancedb.connect(db).open_table(table)
+    except (ValueError, FileNotFoundError) as e:
+        raise UserError(
+            f"table {table!r} not found in {db!r} ({e}); create it with "
+            f"`python prepare_data.py INPUT --db {db} --table {table}`"
+        ) from None
+    schema = tbl.schema
+    for name, (what, ok) in _TRAIN_COLUMNS.items():
+        if name not in schema.names:
+            raise UserError(
+                f"table {table!r} in {db!r} has no {name!r} column "
+                f"(columns: {', '.join(schema.names)}); build it with prepare_data.py"
+            )
+        if not ok(schema.field(name).type):
+            raise UserError(
+                f"column {name!r} of table {table!r} is {schema.field(name).type}, "
+                f"expected {what}"
+            )
+    return tbl
+
+
+@dataclass
+class Tokenizer:
+    """The few things training and ingest need from a tokenizer.
+
+    `pad_token_id` is reserved: no text ever encodes to it and it differs from
+    EOS, so the packed loss mask `input_ids != pad_token_id` is exact.
+    """
+
+    spec: str
+    vocab_size: int
+    eos_token_id: int
+    pad_token_id: int
+    encode: Callable[[list[str]], list[list[int]]] = field(repr=False)
+    decode: Callable[[list[int]], str] = field(repr=False)
+
+
+def _byte_tokenizer() -> Tokenizer:
+    eos, pad = 256, 257
+
+    def encode(texts: list[str]) -> list[list[int]]:
+        return [list(t.encode("utf-8")) for t in texts]
+
+    def decode(ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    return Tokenizer("byte", vocab_size=258, eos_token_id=eos, pad_token_id=pad,
+                     encode=encode, decode=decode)
+
+
+def _hf_tokenizer(name: str) -> Tokenizer:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the network
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we fork/spawn workers
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    if name.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(name)):
+        raise UserError(f"tokenizer directory {name!r} (from 'hf:{name}') does not exist")
+    try:
+        tok = AutoTokenizer.from_pretrained(os.path.expanduser(name), local_files_only=True)
+    except (OSError, ValueError) as e:
+        if os.path.isdir(os.path.expanduser(name)):
+            raise UserError(f"'hf:{name}' is not a loadable tokenizer directory: "
+                            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        raise UserError(
+            f"tokenizer 'hf:{name}' is neither a local directory nor in the local Hugging "
+            f"Face cache, and nothing is downloaded: run `AutoTokenizer.from_pretrained("
+            f"{name!r}).save_pretrained(DIR)` where there is network, then pass hf:DIR"
+        ) from None
+    tok.model_max_length = 1 << 62  # documents are longer than any context; no warnings
+    n_real = len(tok)  # base vocabulary plus added tokens
+    special = set(tok.all_special_ids)
+    eos = tok.eos_token_id if tok.eos_token_id is not None else tok.sep_token_id
+    if eos is None:
+        raise UserError(
+            f"tokenizer 'hf:{name}' has neither an EOS nor a separator token; "
+            f"packing needs one to join documents"
+        )
+    pad = tok.pad_token_id
+    if pad is None or pad == eos or pad >= n_real:
+        pad = n_real  # reserve a fresh id above every real token
+    vocab_size = max(n_real, pad + 1, eos + 1)
+
+    def encode(texts: list[str]) -> list[list[int]]:
+        # split_special_tokens: a literal "<pad>" or "</s>" in a document is text,
+        # so EOS and PAD can only come from the packer.
+        return tok(texts, add_special_tokens=False, split_special_tokens=True,
+                   return_attention_mask=False)["input_ids"]
+
+    def decode(ids: list[int]) -> str:
+        return tok.decode([i for i in ids if i < n_real and i not in special])
+
+    return Tokenizer(f"hf:{name}", vocab_size=vocab_size, eos_token_id=eos,
+                     pad_token_id=pad, encode=encode, decode=decode)
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """`byte` or `hf:<name-or-local-dir>`, loaded offline."""
+    if spec == "byte":
+        return _byte_tokenizer()
+    if spec.startswith("hf:") and len(spec) > 3:
+        return _hf_tokenizer(spec[3:])
+    raise UserError(f"unknown tokenizer {spec!r}: use 'byte' or 'hf:<name-or-local-dir>'")
