@@ -1,0 +1,727 @@
+"""Pretrain a GPT on a LanceDB table with the elastic StreamingDataset.
+
+Training reads only the `input_ids` column, prefiltered by SQL, in a
+deterministic order, optionally sequence-packed by the loader (--pack).
+
+Usage
+-----
+python train.py --model tiny --steps 40                        # single process, CPU smoke
+
+torchrun --nproc-per-node 8 train.py --model small --tokenizer hf:gpt2 \
+    --pack --compile --batch-size 32 --grad-accum 2 --seq-len 1024 --epochs 1 \
+    --num-splits 128 --io-queue-depth 1 --transform-parallelism 2 --num-workers 2
+
+torchrun --nproc-per-node 4 train.py ... --batch-size 64 --resume auto   # any world size dividing num_splits
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import math
+import multiprocessing as mp
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+
+from common import (
+    DEFAULT_DB,
+    DEFAULT_TABLE,
+    TRAIN_FILTER,
+    VAL_FILTER,
+    UserError,
+    connect_table,
+    load_tokenizer,
+)
+from model import MODEL_SIZES, make_model
+
+# Dense bf16 peak per device, matched against torch.cuda.get_device_name().
+# Devices not listed (and the CPU) report MFU as n/a rather than a guess.
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,  # SXM / HBM3 boards; PCIe matched first above
+    "A100": 312e12,
+}
+
+CKPT_NAME = re.compile(r"^step_(\d{8})\.pt$")
+
+# Settings that fix the sample order or the model: a resume must not change them.
+RESUME_INVARIANTS = ("num_splits", "shuffle_seed", "seq_len", "pack", "tokenizer",
+                     "model", "min_score", "global_batch")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--db", default=DEFAULT_DB)
+    p.add_argument("--table", default=DEFAULT_TABLE)
+    p.add_argument(
+        "--tokenizer", default="byte", help="'byte' or 'hf:<model>' (vocab/pad/eos ids)"
+    )
+    p.add_argument("--model", default="tiny", choices=list(MODEL_SIZES))
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=8,
+        help="docs (or packed blocks, with --pack) per rank per micro-step",
+    )
+    p.add_argument(
+        "--pack",
+        action="store_true",
+        help="sequence packing in the loader: EOS-joined fixed-length blocks; "
+        "resumable across world sizes",
+    )
+    p.add_argument(
+        "--transform-queue-depth",
+        type=int,
+        default=0,
+        help="cap on post-transform rows per split, in read batches "
+        "(0 = loader default, unbounded; 16 avoids GC pauses on long runs)",
+    )
+    p.add_argument(
+        "--num-workers",
+        type=int,
+        default=0,
+        help="loader worker processes per rank (StreamingDataLoader); "
+        "num_splits must be divisible by world_size * num_workers",
+    )
+    p.add_argument(
+        "--mp-context",
+        default="forkserver",
+        choices=["forkserver", "spawn"],
+        help="start method for --num-workers (never fork under CUDA)",
+    )
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--compile-mode", default="default", help="torch.compile mode, e.g. max-autotune")
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=0,
+        help="stop after N optimizer steps (0 = full epochs)",
+    )
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--warmup-steps", type=int, default=200)
+    p.add_argument(
+        "--lr-total-steps",
+        type=int,
+        default=0,
+        help="cosine horizon; 0 = the computed total step count. Pin this "
+        "when a run will be interrupted so schedules line up on resume",
+    )
+    p.add_argument(
+        "--min-score",
+        type=float,
+        default=1.0,
+        help="quality-score cutoff (SQL prefilter)",
+    )
+    p.add_argument(
+        "--num-splits",
+        type=int,
+        default=0,
+        help="elastic splits; 0 = one per global-batch slot",
+    )
+    p.add_argument("--shuffle-seed", type=int, default=42)
+    p.add_argument("--read-batch-size", type=int, default=8)
+    p.add_argument(
+        "--io-queue-depth",
+        type=int,
+        default=1,
+        help="I/O batches in flight per split (loader default 4)",
+    )
+    p.add_argument(
+        "--transform-parallelism",
+        type=int,
+        default=2,
+        help="transform threads per rank (loader default: cpu_count)",
+    )
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument(
+        "--eval-every", type=int, default=0, help="eval every N steps (0 = only at end)"
+    )
+    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--ckpt-every", type=int, default=100)
+    p.add_argument("--ckpt-dir", default="./checkpoints")
+    p.add_argument("--resume", default="", help="checkpoint path, or 'auto' for latest")
+    p.add_argument(
+        "--blocks-mode",
+        default="off",
+        choices=["off", "lance", "mosaic", "parquet-random", "parquet-seq"],
+        help="A/B harness: train on identical pre-packed 1024-token blocks via "
+        "the lance loader, MosaicML streaming, Parquet random-take, or "
+        "pre-shuffled Parquet shards read sequentially (build_packed_datasets.py)",
+    )
+    p.add_argument("--blocks-path", default="", help="blocks db dir / MDS dir or s3://")
+    p.add_argument(
+        "--blocks-per-epoch",
+        default="",
+        help="packed block budget; default: exact value computed from the "
+        "n_tokens column (production path). 'auto' uses the loader's sampler",
+    )
+    return p.parse_args(argv)
+
+
+def check_args(args, world_size: int) -> int:
+    """Refuse impossible settings before anything is read or written; returns num_splits."""
+    for flag, value, low in (("--batch-size", args.batch_size, 1), ("--grad-accum", args.grad_accum, 1),
+                             ("--seq-len", args.seq_len, 2), ("--epochs", args.epochs, 1),
+                             ("--log-every", args.log_every, 1), ("--ckpt-every", args.ckpt_every, 1),
+                             ("--read-batch-size", args.read_batch_size, 1),
+                             ("--io-queue-depth", args.io_queue_depth, 1),
+                             ("--transform-parallelism", args.transform_parallelism, 1)):
+        if value < low:
+            raise UserError(f"{flag} must be at least {low} (got {value})")
+    for flag, value in (("--steps", args.steps), ("--num-splits", args.num_splits),
+                        ("--num-workers", args.num_workers), ("--eval-every", args.eval_every),
+                        ("--eval-batches", args.eval_batches), ("--warmup-steps", args.warmup_steps),
+                        ("--lr-total-steps", args.lr_total_steps),
+                        ("--transform-queue-depth", args.transform_queue_depth)):
+        if value < 0:
+            raise UserError(f"{flag} must not be negative (got {value})")
+    if args.blocks_mode != "off":
+        raise UserError(
+            f"--blocks-mode {args.blocks_mode} needs the blocks built by "
+            "build_packed_datasets.py, which this checkout does not have yet"
+        )
+    global_batch = args.batch_size * world_size
+    num_splits = args.num_splits or global_batch
+    if num_splits % world_size:
+        raise UserError(f"num_splits ({num_splits}) must be divisible by the world size ({world_size})")
+    if args.num_workers and num_splits % (world_size * args.num_workers):
+        raise UserError(
+            f"num_splits ({num_splits}) must be divisible by world_size x "
+            f"num_workers ({world_size} x {args.num_workers})"
+        )
+    if global_batch % num_splits != 0:
+        raise UserError(
+            f"global batch ({global_batch} = {args.batch_size} x {world_size} ranks) "
+            f"must be a multiple of num_splits ({num_splits}) so optimizer steps "
+            f"align with loader cycles."
+        )
+    return num_splits
+
+
+def setup_distributed() -> tuple[int, int, torch.device]:
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if world_size > 1:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    return rank, world_size, device
+
+
+def barrier(world_size: int) -> None:
+    if world_size > 1:
+        dist.barrier()
+
+
+def rows_to_samples(batch: pa.RecordBatch, seq_len: int, pad_id: int) -> list[dict]:
+    """Row mode: RecordBatch -> per-row dicts, each doc padded/truncated to seq_len.
+
+    Module-level (bound with functools.partial) so it pickles into loader workers.
+    """
+    col = batch.column("input_ids")
+    offsets = col.offsets.to_numpy()
+    values = col.values.to_numpy(zero_copy_only=False)
+    ids = np.full((len(col), seq_len), pad_id, dtype=np.int64)
+    lengths = np.minimum(np.diff(offsets), seq_len)
+    for i, (start, n) in enumerate(zip(offsets[:-1], lengths)):
+        ids[i, :n] = values[start:start + n]
+    mask = np.arange(seq_len)[None, :] < lengths[:, None]
+    ids_t, mask_t = torch.from_numpy(ids), torch.from_numpy(mask)
+    return [{"input_ids": ids_t[i], "loss_mask": mask_t[i]} for i in range(len(col))]
+
+
+def data_filter(args, split_filter: str) -> str:
+    return f"NOT is_dup AND score >= {args.min_score} AND ({split_filter})"
+
+
+def make_dataset(
+    args,
+    table,
+    rank: int,
+    world_size: int,
+    *,
+    split_filter: str,
+    epoch: int,
+    shuffle: bool,
+    tok,
+    num_splits: int,
+    packed: bool = False,
+    blocks_per_epoch=None,
+):
+    from lancedb.streaming import StreamingDataset
+
+    kwargs = dict(
+        columns=["input_ids"],
+        filter=data_filter(args, split_filter),
+        num_splits=num_splits,
+        shuffle=shuffle,
+        shuffle_seed=args.shuffle_seed,
+        epoch=epoch,
+        rank=rank,
+        world_size=world_size,
+        read_batch_size=args.read_batch_size,
+        io_queue_depth=args.io_queue_depth,
+        transform_parallelism=args.transform_parallelism,
+        transform_queue_depth=args.transform_queue_depth or None,
+    )
+    if packed:
+        # Packing lives in the loader: EOS-joined blocks, pad only when a
+        # split runs dry.  Pads are masked from the loss in the train step.
+        kwargs.update(
+            pack_sequences=args.seq_len,
+            eos_id=tok.eos_token_id,
+            pad_id=tok.pad_token_id,
+            blocks_per_epoch=blocks_per_epoch,
+        )
+    else:
+        kwargs.update(transform=functools.partial(
+            rows_to_samples, seq_len=args.seq_len, pad_id=tok.pad_token_id))
+    return StreamingDataset(table, **kwargs)
+
+
+def make_loader(ds, args, device: torch.device):
+    """Training loader: in-process (num_workers=0) or lancedb's consumer-
+    committed StreamingDataLoader with worker processes."""
+    pin = device.type == "cuda"
+    if args.num_workers > 0:
+        from lancedb.streaming import StreamingDataLoader
+
+        # Not fork: ranks have CUDA + lancedb's async runtime initialised, and
+        # forked workers can deadlock (lancedb warns about exactly this).
+        return StreamingDataLoader(
+            ds,
+            batch_size=args.batch_size,
+            num_workers=args.num_workers,
+            multiprocessing_context=args.mp_context,
+            pin_memory=pin,
+        )
+    return DataLoader(ds, batch_size=args.batch_size, num_workers=0, pin_memory=pin)
+
+
+def batch_loss(trainable, batch, device, pad_id):
+    input_ids = batch["input_ids"].to(device, non_blocking=True).long()
+    if "loss_mask" in batch:
+        mask = batch["loss_mask"].to(device, non_blocking=True)
+    else:  # packed blocks carry doc_ids; pads are identified by id
+        mask = input_ids != pad_id
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        return trainable(input_ids, mask), mask.sum()
+
+
+def evaluate(model, args, table, rank, world_size, device, tok) -> float | None:
+    """Mean val loss over up to --eval-batches batches per rank; None if there are none.
+
+    One split per rank: the validation split is small, and its order does not
+    matter, so it need not share the training split layout.
+    """
+    ds = make_dataset(args, table, rank, world_size, split_filter=VAL_FILTER, epoch=0,
+                      shuffle=False, tok=tok, num_splits=world_size)
+    loader = DataLoader(ds, batch_size=args.batch_size, num_workers=0)
+    model.eval()
+    losses = []
+    with torch.no_grad():
+        for i, batch in enumerate(loader):
+            if i >= args.eval_batches:
+                break
+            loss, _ = batch_loss(model, batch, device, tok.pad_token_id)
+            losses.append(loss.float())
+    model.train()
+    stats = torch.stack([torch.stack(losses).sum(), torch.tensor(float(len(losses)), device=device)]) \
+        if losses else torch.zeros(2, device=device)
+    if world_size > 1:
+        dist.all_reduce(stats)
+    return (stats[0] / stats[1]).item() if stats[1] > 0 else None
+
+
+def format_val(val: float | None) -> str:
+    return f"{val:.4f}" if val is not None else "n/a (empty validation split)"
+
+
+def lr_at(step: int, total: int, args) -> float:
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    t = (step - args.warmup_steps) / max(total - args.warmup_steps, 1)
+    return args.lr * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+
+
+def flops_per_token(model) -> float:
+    """nanoGPT-style estimate: 6N + 12 * n_layer * d_model * seq_len."""
+    cfg = model.cfg
+    return 6 * model.num_params() + 12 * cfg.n_layer * cfg.d_model * cfg.seq_len
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak of this device, or None where it is unknown (CPU included)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((f for key, f in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+@dataclass
+class EpochPlan:
+    """How much one epoch holds, computed from the table before training."""
+
+    train_rows: int
+    blocks_per_epoch: int | str | None  # packed only: int, or "auto"
+    micro_steps_per_epoch: int
+
+
+def plan_epoch(args, table, num_splits: int, global_batch: int) -> EpochPlan:
+    train_filter = data_filter(args, TRAIN_FILTER)
+    train_rows = table.count_rows(train_filter)
+    if train_rows < num_splits:
+        raise UserError(
+            f"only {train_rows} training rows pass the filter ({train_filter}) but "
+            f"num_splits is {num_splits}: every split needs at least one row; lower "
+            f"--min-score, --num-splits or --batch-size, or add data"
+        )
+    cycles_per_batch = global_batch // num_splits
+    if not args.pack:
+        cycles = train_rows // num_splits
+        return EpochPlan(train_rows, None, -(-cycles // cycles_per_batch))
+    toks = table.search().select(["n_tokens"]).where(train_filter).limit(train_rows).to_arrow()
+    total_tokens = pc.sum(toks.column("n_tokens")).as_py() + train_rows  # + one EOS per doc
+    exact = total_tokens // args.seq_len
+    exact -= exact % num_splits
+    if args.blocks_per_epoch == "auto":
+        blocks_per_epoch = "auto"
+    elif args.blocks_per_epoch:
+        try:
+            blocks_per_epoch = int(args.blocks_per_epoch)
+        except ValueError:
+            raise UserError(f"--blocks-per-epoch must be an integer or 'auto' (got {args.blocks_per_epoch!r})") from None
+        if blocks_per_epoch <= 0 or blocks_per_epoch % num_splits:
+            raise UserError(f"--blocks-per-epoch ({blocks_per_epoch}) must be a positive multiple of num_splits ({num_splits})")
+    else:  # exact budget from the materialized token counts
+        blocks_per_epoch = exact
+    if blocks_per_epoch == 0:
+        raise UserError(
+            f"the training split holds {total_tokens:,} tokens, less than one "
+            f"{args.seq_len}-token block per split ({num_splits} splits); lower --num-splits or --seq-len"
+        )
+    sized = exact if blocks_per_epoch == "auto" else blocks_per_epoch
+    return EpochPlan(train_rows, blocks_per_epoch, -(-(sized // num_splits) // cycles_per_batch))
+
+
+def train_batches(args, table, tok, rank, world_size, device, num_splits, plan, start_epoch, loader_state):
+    """Micro-batches across epochs as (epoch, dataset, batch); resumes mid-epoch from loader_state."""
+    for epoch in range(start_epoch, args.epochs):
+        ds = make_dataset(args, table, rank, world_size, split_filter=TRAIN_FILTER, epoch=epoch,
+                          shuffle=True, tok=tok, num_splits=num_splits, packed=args.pack,
+                          blocks_per_epoch=plan.blocks_per_epoch)
+        if loader_state is not None:
+            try:
+                ds.load_state_dict(loader_state)
+            except ValueError as e:
+                raise UserError(f"the checkpoint's loader state does not fit this run: {e}") from None
+            loader_state = None
+        for batch in make_loader(ds, args, device):
+            yield epoch, ds, batch
+
+
+# ── Checkpoints ───────────────────────────────────────────────────────────────
+
+
+def checkpoint_path(ckpt_dir: str, step: int, rank: int = 0) -> str:
+    suffix = f"_dsrank{rank}" if rank else ""
+    return os.path.join(ckpt_dir, f"step_{step:08d}{suffix}.pt")
+
+
+def atomic_save(obj, path: str) -> None:
+    """torch.save to a temp name, fsync, rename: the file is complete or absent."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def save_checkpoint(ckpt_dir: str, rank: int, world_size: int, rank_payload: dict, main_payload) -> str:
+    """Every rank saves its loader state; rank 0's file, written last, commits the step.
+
+    `main_payload` is a callable so only rank 0 pays for gathering model/optimizer state.
+    """
+    step = rank_payload["opt_step"]
+    if rank == 0:
+        os.makedirs(ckpt_dir, exist_ok=True)
+    barrier(world_size)
+    if rank:
+        atomic_save(rank_payload, checkpoint_path(ckpt_dir, step, rank))
+    barrier(world_size)
+    path = checkpoint_path(ckpt_dir, step)
+    if rank == 0:
+        atomic_save({**main_payload(), **rank_payload}, path)
+    barrier(world_size)
+    return path
+
+
+def read_checkpoint(path: str) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise UserError(f"checkpoint {path!r} does not exist") from None
+    except Exception as e:  # truncated, not a checkpoint, or would need unsafe unpickling
+        raise UserError(f"cannot read checkpoint {path!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
+def load_checkpoint(path: str) -> tuple[dict, dict]:
+    """Rank 0's checkpoint and the loader state merged over every rank that wrote it."""
+    from lancedb.streaming import StreamingDataset
+
+    ckpt = read_checkpoint(path)
+    if not isinstance(ckpt, dict) or not {"model", "optimizer", "dataset", "opt_step"} <= ckpt.keys():
+        raise UserError(f"{path!r} is not a checkpoint written by train.py")
+    step, saved_world = ckpt["opt_step"], ckpt.get("world_size", 1)
+    ckpt_dir = os.path.dirname(path)
+    states = [ckpt["dataset"]] + [read_checkpoint(checkpoint_path(ckpt_dir, step, r))["dataset"]
+                                  for r in range(1, saved_world)]
+    try:
+        return ckpt, StreamingDataset.merge_state_dicts(states)
+    except ValueError as e:
+        raise UserError(f"checkpoint {path!r} has inconsistent loader states: {e}") from None
+
+
+def newest_complete_checkpoint(ckpt_dir: str) -> str:
+    """The newest step whose files all load; incomplete or unreadable ones are skipped with a warning."""
+    names = sorted((n for n in os.listdir(ckpt_dir) if CKPT_NAME.match(n)), reverse=True) \
+        if os.path.isdir(ckpt_dir) else []
+    for name in names:
+        path = os.path.join(ckpt_dir, name)
+        try:
+            load_checkpoint(path)
+            return path
+        except UserError as e:
+            print(f"warning: skipping checkpoint {path}: {e}", file=sys.stderr)
+    raise UserError(f"--resume auto: no complete checkpoint in {ckpt_dir!r}")
+
+
+def run_config(args, num_splits: int, global_batch: int) -> dict:
+    return dict(num_splits=num_splits, shuffle_seed=args.shuffle_seed, seq_len=args.seq_len,
+                pack=args.pack, tokenizer=args.tokenizer, model=args.model,
+                min_score=args.min_score, global_batch=global_batch)
+
+
+def check_resume_config(saved: dict, current: dict, path: str) -> None:
+    for key in RESUME_INVARIANTS:
+        if key in saved and saved[key] != current[key]:
+            raise UserError(
+                f"cannot resume from {path}: it was trained with {key}={saved[key]!r}, "
+                f"this run has {key}={current[key]!r}"
+            )
+
+
+# ── Main ──────────────────────────────────────────────────────────────────────
+
+
+def ensure_demo_corpus(args, is_main: bool, world_size: int) -> None:
+    """The default db is built from the demo corpus on first use; any other db must exist."""
+    if args.db != DEFAULT_DB:
+        return
+    if is_main:
+        try:
+            connect_table(args.db, args.table)
+        except UserError:
+            import prepare_data
+
+            print(f"no corpus at {args.db} (table {args.table}): building the demo corpus there "
+                  f"(python prepare_data.py --demo)", flush=True)
+            prepare_data.build_demo(args.db, args.table, args.tokenizer)
+    barrier(world_size)
+
+
+def train(args, rank: int, world_size: int, device: torch.device) -> None:
+    is_main = rank == 0
+    num_splits = check_args(args, world_size)
+    global_batch = args.batch_size * world_size
+    tok = load_tokenizer(args.tokenizer)
+    ensure_demo_corpus(args, is_main, world_size)
+    table = connect_table(args.db, args.table)
+    config = run_config(args, num_splits, global_batch)
+
+    ckpt, loader_state = None, None
+    if args.resume:
+        path = newest_complete_checkpoint(args.ckpt_dir) if args.resume == "auto" else args.resume
+        ckpt, loader_state = load_checkpoint(path)
+        check_resume_config(ckpt.get("config", {}), config, path)
+
+    torch.manual_seed(1234)
+    model = make_model(args.model, tok.vocab_size, args.seq_len).to(device)
+    fpt = flops_per_token(model)
+    peak = peak_flops(device)
+    if is_main:
+        print(
+            f"model={args.model} params={model.num_params():,} pack={args.pack} "
+            f"world_size={world_size} global_batch={global_batch} "
+            f"num_splits={num_splits} compile={args.compile} "
+            f"num_workers={args.num_workers}"
+        )
+    opt = make_optimizer(model, args, device)
+    start_epoch, opt_step, tokens_seen = 0, 0, 0
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        start_epoch, opt_step = ckpt["epoch"], ckpt["opt_step"]
+        tokens_seen = ckpt.get("tokens_seen", 0) if is_main else 0
+        if is_main:
+            print(f"resumed from {path} (epoch {start_epoch}, opt step {opt_step})")
+    raw_model = model
+    if args.compile:
+        model = torch.compile(model, mode=args.compile_mode)
+    trainable = model
+    if world_size > 1:
+        trainable = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    plan = plan_epoch(args, table, num_splits, global_batch)
+    if is_main and args.pack:
+        print(f"blocks_per_epoch: {plan.blocks_per_epoch}")
+    total_micro = plan.micro_steps_per_epoch * args.epochs
+    steps_per_epoch = max(plan.micro_steps_per_epoch // args.grad_accum, 1)
+    total_steps = args.lr_total_steps or args.steps or max(total_micro // args.grad_accum, 1)
+    if is_main:
+        print(
+            f"train rows (post-filter): {plan.train_rows:,}  ~steps/epoch: "
+            f"{steps_per_epoch:,}  target steps: {total_steps:,}"
+        )
+
+    tokens = torch.tensor(tokens_seen, dtype=torch.int64, device=device)
+    t_last, step_last = time.perf_counter(), opt_step
+    last_saved = opt_step if ckpt is not None else -1
+    epoch, ds = start_epoch, None
+
+    def save(epoch: int, ds) -> None:
+        rank_payload = {"dataset": ds.state_dict(), "epoch": epoch, "opt_step": opt_step}
+        path = save_checkpoint(args.ckpt_dir, rank, world_size, rank_payload, lambda: {
+            "model": raw_model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "tokens_seen": int(tokens),
+            "world_size": world_size,
+            "config": config,
+        })
+        if is_main:
+            print(f"  saved {path}")
+
+    done = bool(args.steps) and opt_step >= args.steps
+    batches = () if done else train_batches(args, table, tok, rank, world_size, device,
+                                             num_splits, plan, start_epoch, loader_state)
+    micro = 0
+    for epoch, ds, batch in batches:
+        is_sync = (micro + 1) % args.grad_accum == 0
+        ctx = (
+            trainable.no_sync()
+            if (world_size > 1 and not is_sync)
+            else contextlib.nullcontext()
+        )
+        with ctx:
+            loss, real_tokens = batch_loss(trainable, batch, device, tok.pad_token_id)
+            (loss / args.grad_accum).backward()
+        micro += 1
+        tokens += real_tokens  # device accumulator: no per-step sync
+        if not is_sync:
+            continue
+
+        for g in opt.param_groups:
+            g["lr"] = lr_at(opt_step, total_steps, args)
+        torch.nn.utils.clip_grad_norm_(trainable.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        opt_step += 1
+
+        if is_main and opt_step % args.log_every == 0:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t_last
+            tps = (opt_step - step_last) * global_batch * args.grad_accum * args.seq_len / dt
+            mfu = f"{fpt * tps / (world_size * peak):.1%}" if peak else "n/a"
+            q = f"{ds.unscanned_rows}/{ds.raw_queue_depth}/{ds.prefetch_queue_depth}/{ds.consumed_rows}"
+            print(
+                f"epoch {epoch} step {opt_step}/{total_steps} | "
+                f"loss {loss.item():.4f} | {tps:,.0f} tok/s | mfu {mfu} | "
+                f"q {q} | fetch {ds.fetch_time:.1f}s tx {ds.transform_time:.1f}s",
+                flush=True,
+            )
+            t_last, step_last = time.perf_counter(), opt_step
+
+        if opt_step % args.ckpt_every == 0:
+            save(epoch, ds)
+            last_saved = opt_step
+        if args.eval_every and opt_step % args.eval_every == 0:
+            val = evaluate(model, args, table, rank, world_size, device, tok)
+            if is_main:
+                print(f"  val loss @ step {opt_step}: {format_val(val)}", flush=True)
+        if args.steps and opt_step >= args.steps:
+            break
+    if ds is not None and opt_step != last_saved:  # the end of the run is always resumable
+        save(epoch, ds)
+
+    val = evaluate(model, args, table, rank, world_size, device, tok)
+    if is_main:
+        print(
+            f"final: opt_step={opt_step} tokens_seen(rank0)={int(tokens):,} "
+            f"val_loss={format_val(val)}",
+            flush=True,
+        )
+
+
+def make_optimizer(model, args, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW as the reference: fused on CUDA, the default implementation elsewhere."""
+    kwargs = dict(lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    if device.type == "cuda":
+        kwargs["fused"] = True
+    return torch.optim.AdamW(model.parameters(), **kwargs)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.num_workers:
+        # Before any StreamingDataset exists: its shared-memory stats are
+        # created in the *default* mp context, so make that the same
+        # (non-fork) context the DataLoader workers will use.
+        mp.set_start_method(args.mp_context, force=True)
+    rank, world_size, device = setup_distributed()
+    torch.set_float32_matmul_precision("high")
+    try:
+        train(args, rank, world_size, device)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.stdout.flush()
+        os._exit(2)  # not sys.exit: peers may be blocked in a collective, and workers may hang teardown
+    if world_size > 1:
+        dist.destroy_process_group()
+    if args.num_workers:
+        # Worker-process teardown can hang at interpreter exit (mixed Rust
+        # runtime + torch + forkserver finalizers); everything is flushed and
+        # checkpointed by now, so leave without running finalizers.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
