@@ -334,6 +334,8 @@ def evaluate(model, args, table, rank, world_size, device, tok) -> float | None:
     One split per rank: the validation split is small, and its order does not
     matter, so it need not share the training split layout.
     """
+    if table.count_rows(data_filter(args, VAL_FILTER)) < world_size:
+        return None  # the loader needs a row per split
     ds = make_dataset(args, table, rank, world_size, split_filter=VAL_FILTER, epoch=0,
                       shuffle=False, tok=tok, num_splits=world_size)
     loader = DataLoader(ds, batch_size=args.batch_size, num_workers=0)
@@ -710,8 +712,12 @@ def main(argv=None) -> None:
         train(args, rank, world_size, device)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.stdout.flush()
-        os._exit(2)  # not sys.exit: peers may be blocked in a collective, and workers may hang teardown
+        if world_size > 1 or args.num_workers:
+            # Peers may be blocked in a collective and workers can hang teardown.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(2)
+        sys.exit(2)
     if world_size > 1:
         dist.destroy_process_group()
     if args.num_workers:

@@ -1,0 +1,127 @@
+"""Tokenizers and table checks (common.py)."""
+
+import lancedb
+import pyarrow as pa
+import pytest
+from tokenizers import Tokenizer as RawTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from common import CORPUS_SCHEMA, UserError, connect_table, load_tokenizer
+
+TEXTS = ["hello world, this is a tokenizer test.", "the quick brown fox jumps over the lazy dog"] * 20
+
+
+def save_bpe(directory, special_tokens, **named):
+    """A real BPE tokenizer saved as a local HF directory, with only the given specials."""
+    tk = RawTokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(TEXTS, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=special_tokens,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    PreTrainedTokenizerFast(tokenizer_object=tk, **named).save_pretrained(directory)
+    return tk.get_vocab_size()
+
+
+def test_byte_round_trip_and_reserved_ids():
+    tok = load_tokenizer("byte")
+    text = "naïve café ☃ — tabs\tand\nnewlines"
+    (ids,) = tok.encode([text])
+    assert tok.decode(ids) == text
+    assert max(ids) < 256
+    assert (tok.eos_token_id, tok.pad_token_id, tok.vocab_size) == (256, 257, 258)
+    assert tok.decode(ids + [tok.eos_token_id, tok.pad_token_id]) == text
+
+
+def test_hf_local_dir_without_eos_or_pad_reserves_pad_and_uses_sep(tmp_path):
+    n = save_bpe(tmp_path, ["[SEP]"], sep_token="[SEP]")
+    tok = load_tokenizer(f"hf:{tmp_path}")
+    sep = RawTokenizer.from_file(str(tmp_path / "tokenizer.json")).token_to_id("[SEP]")
+    assert tok.eos_token_id == sep
+    assert tok.pad_token_id == n  # a fresh id above every real token
+    assert tok.vocab_size == n + 1
+    texts = ["a document that mentions [SEP] literally", "ünïcödé text"]
+    ids = tok.encode(texts)
+    flat = [i for row in ids for i in row]
+    assert tok.eos_token_id not in flat and tok.pad_token_id not in flat
+    assert max(flat) < tok.vocab_size
+    assert [tok.decode(row) for row in ids] == texts
+
+
+def test_hf_pad_equal_to_eos_gets_its_own_id(tmp_path):
+    n = save_bpe(tmp_path, ["<|endoftext|>"], eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    tok = load_tokenizer(f"hf:{tmp_path}")
+    assert tok.pad_token_id == n and tok.pad_token_id != tok.eos_token_id
+
+
+def test_hf_with_dedicated_pad_keeps_it(tmp_path):
+    save_bpe(tmp_path, ["</s>", "<pad>"], eos_token="</s>", pad_token="<pad>")
+    tok = load_tokenizer(f"hf:{tmp_path}")
+    vocab = RawTokenizer.from_file(str(tmp_path / "tokenizer.json")).get_vocab()
+    assert (tok.eos_token_id, tok.pad_token_id) == (vocab["</s>"], vocab["<pad>"])
+    (ids,) = tok.encode(["text with <pad> and </s> inside"])
+    assert tok.pad_token_id not in ids and tok.eos_token_id not in ids
+
+
+def test_hf_without_eos_or_sep_is_refused(tmp_path):
+    save_bpe(tmp_path, [])
+    with pytest.raises(UserError, match="neither an EOS nor a separator"):
+        load_tokenizer(f"hf:{tmp_path}")
+
+
+def test_hf_not_available_offline_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-cache"))
+    with pytest.raises(UserError, match="nothing is downloaded"):
+        load_tokenizer("hf:some-org/not-a-cached-model")
+    with pytest.raises(UserError, match="does not exist"):
+        load_tokenizer(f"hf:{tmp_path}/missing-dir")
+
+
+def test_unknown_tokenizer_spec():
+    with pytest.raises(UserError, match="unknown tokenizer"):
+        load_tokenizer("sentencepiece")
+
+
+def write_table(db, schema, rows=2):
+    data = {
+        "id": pa.array(range(rows), pa.int64()),
+        "text": ["x"] * rows,
+        "input_ids": pa.array([[1, 2]] * rows, pa.list_(pa.int32())),
+        "n_tokens": pa.array([2] * rows, pa.int32()),
+        "score": pa.array([2.0] * rows, pa.float32()),
+        "is_dup": [False] * rows,
+        "split": ["train"] * rows,
+    }
+    table = pa.table({f.name: pa.array(data[f.name]).cast(f.type) for f in schema}, schema=schema)
+    lancedb.connect(str(db)).create_table("corpus", table)
+
+
+def test_connect_table_accepts_the_corpus_schema(tmp_path):
+    write_table(tmp_path / "db", CORPUS_SCHEMA)
+    assert connect_table(str(tmp_path / "db"), "corpus").count_rows() == 2
+
+
+def test_connect_table_errors(tmp_path):
+    with pytest.raises(UserError, match="no LanceDB database"):
+        connect_table(str(tmp_path / "nope"), "corpus")
+    assert not (tmp_path / "nope").exists()  # checking must not create it
+    write_table(tmp_path / "db", CORPUS_SCHEMA)
+    with pytest.raises(UserError, match="table 'other' not found"):
+        connect_table(str(tmp_path / "db"), "other")
+
+
+@pytest.mark.parametrize("column", ["input_ids", "n_tokens", "score", "is_dup", "split"])
+def test_connect_table_missing_column(tmp_path, column):
+    write_table(tmp_path, pa.schema([f for f in CORPUS_SCHEMA if f.name != column]))
+    with pytest.raises(UserError, match=f"no '{column}' column"):
+        connect_table(str(tmp_path), "corpus")
+
+
+@pytest.mark.parametrize("column,wrong", [("input_ids", pa.list_(pa.float32())),
+                                          ("n_tokens", pa.string()), ("is_dup", pa.int32())])
+def test_connect_table_wrong_type(tmp_path, column, wrong):
+    schema = pa.schema([pa.field(f.name, wrong) if f.name == column else f for f in CORPUS_SCHEMA])
+    write_table(tmp_path, schema)
+    with pytest.raises(UserError, match=f"column '{column}'"):
+        connect_table(str(tmp_path), "corpus")

@@ -1,0 +1,186 @@
+"""train.py end to end on real LanceDB tables: smoke run, packing, exact resume, errors."""
+
+import argparse
+import re
+
+import lancedb
+import pyarrow as pa
+import pytest
+import torch
+
+import train
+from common import CORPUS_SCHEMA, TRAIN_FILTER, load_tokenizer
+from conftest import assert_user_error, run_script
+from model import make_model
+
+LOSS = re.compile(r"^epoch \d+ step \d+/\d+ \| loss ([0-9.]+) \|", re.M)
+FAST = ["--model", "tiny", "--seq-len", "64", "--batch-size", "4", "--log-every", "2",
+        "--warmup-steps", "3", "--lr-total-steps", "8", "--eval-batches", "1"]
+
+
+def test_readme_smoke_run_builds_demo_and_learns(smoke_run):
+    proc, cwd = smoke_run
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "building the demo corpus" in out
+    assert (cwd / "data" / "lancedb").is_dir()
+    losses = [float(x) for x in LOSS.findall(out)]
+    assert len(losses) == 4  # --log-every 10 over 40 steps
+    assert losses[-1] < losses[0]
+    final = out.strip().splitlines()[-1]
+    assert final.startswith("final: opt_step=40 ")
+    assert re.search(r"val_loss=\d+\.\d{4}$", final), final
+    assert "mfu n/a" in out  # the CPU has no peak-FLOPs figure: no made-up percentage
+    assert (cwd / "checkpoints" / "step_00000040.pt").is_file()
+
+
+def test_missing_non_default_db_is_an_error(tmp_path):
+    proc = run_script("train.py", "--db", tmp_path / "nowhere", "--steps", "2", cwd=tmp_path)
+    assert_user_error(proc, "no LanceDB database")
+    assert not (tmp_path / "nowhere").exists() and not (tmp_path / "checkpoints").exists()
+
+
+def test_pack_trains(demo_db, tmp_path):
+    proc = run_script("train.py", "--db", demo_db, "--pack", *FAST, "--steps", "6",
+                      "--ckpt-dir", tmp_path / "ck", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "blocks_per_epoch: " in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1].startswith("final: opt_step=6 ")
+
+
+def loader_args(db, **overrides):
+    args = train.parse_args(["--db", db])
+    return argparse.Namespace(**{**vars(args), **overrides})
+
+
+def test_pad_positions_contribute_nothing_to_the_loss(tmp_path):
+    """Packed blocks padded by the loader: the loss equals the loss of the real prefixes alone."""
+    tok = load_tokenizer("byte")
+    docs = ["short doc one.", "a second, slightly longer document.", "three", "four is here"]
+    ids = tok.encode(docs)
+    table = pa.table({
+        "id": pa.array(range(len(docs)), pa.int64()), "text": docs,
+        "input_ids": pa.array(ids, pa.list_(pa.int32())),
+        "n_tokens": pa.array([len(x) for x in ids], pa.int32()),
+        "score": pa.array([2.0] * len(docs), pa.float32()),
+        "is_dup": [False] * len(docs), "split": ["train"] * len(docs)}, schema=CORPUS_SCHEMA)
+    tbl = lancedb.connect(str(tmp_path)).create_table("corpus", table)
+    # 2 splits of 2 docs each, 3 blocks per split of 32 tokens: the splits run dry -> pads
+    args = loader_args(str(tmp_path), seq_len=32, min_score=1.0, pack=True)
+    ds = train.make_dataset(args, tbl, 0, 1, split_filter=TRAIN_FILTER, epoch=0, shuffle=True,
+                            tok=tok, num_splits=2, packed=True, blocks_per_epoch=6)
+    batch = next(iter(torch.utils.data.DataLoader(ds, batch_size=6)))
+    input_ids = batch["input_ids"]
+    is_pad = input_ids == tok.pad_token_id
+    assert is_pad.any() and (~is_pad).any()
+
+    torch.manual_seed(0)
+    model = make_model("tiny", tok.vocab_size, 32)
+    loss, real = train.batch_loss(model, batch, torch.device("cpu"), tok.pad_token_id)
+    assert real == (~is_pad).sum()
+
+    total, count = 0.0, 0
+    for row, pad in zip(input_ids, is_pad):
+        n = int((~pad).sum())
+        assert not pad[:n].any()  # the loader pads only at the end of a block
+        if n < 2:
+            continue
+        prefix = row[:n].unsqueeze(0)
+        logits = model.logits(prefix)[0, :-1]
+        total += torch.nn.functional.cross_entropy(logits, prefix[0, 1:], reduction="sum")
+        count += n - 1
+    torch.testing.assert_close(loss, total / count, rtol=1e-5, atol=1e-6)
+
+    changed = input_ids.masked_fill(is_pad, 7)  # whatever sits at a pad position is ignored
+    loss_changed, _ = train.batch_loss(model, {"input_ids": changed, "doc_ids": batch["doc_ids"]},
+                                       torch.device("cpu"), 7)
+    torch.testing.assert_close(loss_changed, loss, rtol=0, atol=0)
+
+
+def state_equal(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(state_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(state_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("path", ["row", "pack"])
+def test_exact_resume_matches_uninterrupted_run(demo_db, tmp_path, capsys, path):
+    extra = ["--pack"] if path == "pack" else []
+    common = ["--db", demo_db, *FAST, *extra, "--grad-accum", "2"]
+
+    def run(ckpt_dir, *args):  # in-process: the interpreter start-up is most of a short run
+        train.main([*map(str, common), "--ckpt-dir", str(ckpt_dir), *args])
+        return capsys.readouterr().out
+
+    run(tmp_path / "straight", "--steps", "8")
+    run(tmp_path / "split", "--steps", "4", "--ckpt-every", "4")
+    out = run(tmp_path / "split", "--steps", "8", "--resume", "auto")
+    assert "resumed from" in out and "(epoch 0, opt step 4)" in out
+
+    straight = torch.load(tmp_path / "straight" / "step_00000008.pt", weights_only=True)
+    resumed = torch.load(tmp_path / "split" / "step_00000008.pt", weights_only=True)
+    assert state_equal(straight["model"], resumed["model"])
+    assert state_equal(straight["optimizer"], resumed["optimizer"])
+    assert straight["dataset"] == resumed["dataset"]
+    assert straight["tokens_seen"] == resumed["tokens_seen"]
+    # and the interrupted run really did diverge in time: it committed step 4 first
+    assert (tmp_path / "split" / "step_00000004.pt").is_file()
+
+
+def test_resume_auto_skips_an_unreadable_newest_checkpoint(demo_db, tmp_path):
+    ck = tmp_path / "ck"
+    proc = run_script("train.py", "--db", demo_db, *FAST, "--steps", "4", "--ckpt-every", "2",
+                      "--ckpt-dir", ck, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (ck / "step_00000004.pt").write_bytes((ck / "step_00000004.pt").read_bytes()[:1000])
+    proc = run_script("train.py", "--db", demo_db, *FAST, "--steps", "6", "--ckpt-dir", ck,
+                      "--resume", "auto", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "warning: skipping checkpoint" in proc.stderr and "step_00000004.pt" in proc.stderr
+    assert "(epoch 0, opt step 2)" in proc.stdout
+
+
+def test_resume_with_changed_settings_is_refused(demo_db, tmp_path):
+    ck = tmp_path / "ck"
+    proc = run_script("train.py", "--db", demo_db, *FAST, "--steps", "2", "--ckpt-dir", ck,
+                      cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    before = sorted(p.name for p in ck.iterdir())
+    proc = run_script("train.py", "--db", demo_db, *FAST, "--steps", "4", "--ckpt-dir", ck,
+                      "--resume", "auto", "--shuffle-seed", "7", cwd=tmp_path)
+    assert_user_error(proc, "shuffle_seed=42")
+    assert sorted(p.name for p in ck.iterdir()) == before
+
+
+def test_empty_validation_split_is_reported_not_zero(tmp_path):
+    text = tmp_path / "docs.jsonl"
+    text.write_text("".join(
+        f'{{"text": "Document number {i} is an ordinary sentence about the weather in a town. '
+        f'It rained on day {i}, and people stayed inside reading books."}}\n' for i in range(40)))
+    proc = run_script("prepare_data.py", text, "--db", tmp_path / "db", "--table", "corpus",
+                      "--tokenizer", "byte", "--val-fraction", "0", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    proc = run_script("train.py", "--db", tmp_path / "db", *FAST, "--steps", "2",
+                      "--ckpt-dir", tmp_path / "ck", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    final = proc.stdout.strip().splitlines()[-1]
+    assert "val_loss=n/a (empty validation split)" in final
+    assert "0.0000" not in final
+
+
+@pytest.mark.parametrize("flags,fragment", [
+    (["--batch-size", "3", "--num-splits", "2"], "must be a multiple of num_splits"),
+    (["--grad-accum", "0"], "--grad-accum must be at least 1"),
+    (["--seq-len", "1"], "--seq-len must be at least 2"),
+    (["--tokenizer", "nope"], "unknown tokenizer"),
+    (["--resume", "missing.pt"], "does not exist"),
+])
+def test_bad_flags_are_one_line_errors(demo_db, tmp_path, flags, fragment):
+    proc = run_script("train.py", "--db", demo_db, "--steps", "2", "--ckpt-dir", tmp_path / "ck",
+                      *flags, cwd=tmp_path)
+    assert_user_error(proc, fragment)
+    assert not (tmp_path / "ck").exists()
