@@ -547,11 +547,9 @@ def ensure_demo_corpus(args, is_main: bool, world_size: int) -> None:
     if args.db != DEFAULT_DB:
         return
     if is_main:
-        try:
-            connect_table(args.db, args.table)
-        except UserError:
-            import prepare_data
+        import prepare_data
 
+        if prepare_data.open_existing(args.db, args.table) is None:
             print(f"no corpus at {args.db} (table {args.table}): building the demo corpus there "
                   f"(python prepare_data.py --demo)", flush=True)
             prepare_data.build_demo(args.db, args.table, args.tokenizer)

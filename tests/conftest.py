@@ -8,7 +8,18 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SMOKE_COMMAND = ["train.py", "--model", "tiny", "--steps", "40"]
+
+
+def readme_command(prefix: str) -> str:
+    """The quick-start line of README.md that starts with `prefix`, minus the prefix."""
+    for line in (REPO / "README.md").read_text().splitlines():
+        if line.startswith(prefix):
+            return line[len(prefix):]
+    raise AssertionError(f"README.md has no line starting with {prefix!r}")
+
+
+# The quick start's run command, as the README gives it: `python train.py ...`.
+SMOKE_COMMAND = readme_command("pip install -e . && python ").split()
 
 
 def run_script(script, *args, cwd, timeout=600):
