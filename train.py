@@ -19,6 +19,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import hashlib
+import itertools
+import json
 import math
 import multiprocessing as mp
 import os
@@ -157,6 +160,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ckpt-dir", default="./checkpoints")
     p.add_argument("--resume", default="", help="checkpoint path, or 'auto' for latest")
     p.add_argument(
+        "--keep-last",
+        type=int,
+        default=0,
+        help="after each checkpoint, delete all but the newest N complete ones (0 = keep all)",
+    )
+    p.add_argument(
+        "--trace-samples",
+        default="",
+        metavar="DIR",
+        help="append one JSON line per optimizer step to DIR/rank{R}.jsonl with a hash "
+        "of every sample the rank trained on (to check sample order across topologies)",
+    )
+    p.add_argument(
         "--blocks-mode",
         default="off",
         choices=["off", "lance", "mosaic", "parquet-random", "parquet-seq"],
@@ -187,7 +203,7 @@ def check_args(args, world_size: int) -> int:
     for flag, value in (("--steps", args.steps), ("--num-splits", args.num_splits),
                         ("--num-workers", args.num_workers), ("--eval-every", args.eval_every),
                         ("--eval-batches", args.eval_batches), ("--warmup-steps", args.warmup_steps),
-                        ("--lr-total-steps", args.lr_total_steps),
+                        ("--lr-total-steps", args.lr_total_steps), ("--keep-last", args.keep_last),
                         ("--transform-queue-depth", args.transform_queue_depth)):
         if value < 0:
             raise UserError(f"{flag} must not be negative (got {value})")
@@ -299,23 +315,38 @@ def make_dataset(
     return StreamingDataset(table, **kwargs)
 
 
-def make_loader(ds, args, device: torch.device):
-    """Training loader: in-process (num_workers=0) or lancedb's consumer-
-    committed StreamingDataLoader with worker processes."""
+def make_loader(ds, args, device: torch.device, splits_per_rank: int):
+    """Training micro-batches: in-process (num_workers=0) or lancedb's consumer-
+    committed StreamingDataLoader with worker processes, yielding the same batches."""
     pin = device.type == "cuda"
-    if args.num_workers > 0:
-        from lancedb.streaming import StreamingDataLoader
+    if args.num_workers == 0:
+        return DataLoader(ds, batch_size=args.batch_size, num_workers=0, pin_memory=pin)
+    from lancedb.streaming import StreamingDataLoader
 
-        # Not fork: ranks have CUDA + lancedb's async runtime initialised, and
-        # forked workers can deadlock (lancedb warns about exactly this).
-        return StreamingDataLoader(
-            ds,
-            batch_size=args.batch_size,
-            num_workers=args.num_workers,
-            multiprocessing_context=args.mp_context,
-            pin_memory=pin,
-        )
-    return DataLoader(ds, batch_size=args.batch_size, num_workers=0, pin_memory=pin)
+    # Not fork: ranks have CUDA + lancedb's async runtime initialised, and
+    # forked workers can deadlock (lancedb warns about exactly this).
+    loader = StreamingDataLoader(
+        ds,
+        batch_size=args.batch_size // args.num_workers,
+        num_workers=args.num_workers,
+        multiprocessing_context=args.mp_context,
+        pin_memory=pin,
+    )
+    return interleave_workers(loader, args.num_workers, splits_per_rank // args.num_workers)
+
+
+def interleave_workers(loader, num_workers: int, splits_per_worker: int):
+    """One batch from each worker -> the batch an in-process loader would have made.
+
+    Worker w owns a contiguous run of the rank's splits and yields whole cycles over
+    them; the in-process loader yields each cycle over all of the rank's splits. So the
+    samples of a training step, and their order, do not depend on --num-workers.
+    """
+    batches = iter(loader)
+    while group := list(itertools.islice(batches, num_workers)):
+        yield {key: torch.stack([b[key].unflatten(0, (-1, splits_per_worker)) for b in group],
+                                dim=1).flatten(0, 2)  # (cycles, workers, splits, T) -> (B, T)
+               for key in group[0]}
 
 
 def batch_loss(trainable, batch, device, pad_id):
@@ -380,6 +411,29 @@ def peak_flops(device: torch.device) -> float | None:
     return next((f for key, f in PEAK_BF16_FLOPS.items() if key in name), None)
 
 
+class SampleTrace:
+    """Per-rank record of which samples fed each optimizer step (--trace-samples).
+
+    Each sample is named by the first 16 hex digits of BLAKE2b over its input_ids as
+    little-endian int32, so traces from any topology can be compared from outside.
+    """
+
+    def __init__(self, directory: str, rank: int):
+        os.makedirs(directory, exist_ok=True)
+        self.file = open(os.path.join(directory, f"rank{rank}.jsonl"), "a", buffering=1)
+        self.rank = rank
+        self.pending: list[str] = []
+
+    def add(self, input_ids: torch.Tensor) -> None:
+        rows = input_ids.to(torch.int32).numpy().astype("<i4")
+        self.pending.extend(hashlib.blake2b(row.tobytes()).hexdigest()[:16] for row in rows)
+
+    def commit(self, step: int, epoch: int) -> None:
+        self.file.write(json.dumps({"step": step, "rank": self.rank, "epoch": epoch,
+                                    "samples": self.pending}) + "\n")
+        self.pending = []
+
+
 @dataclass
 class EpochPlan:
     """How much one epoch holds, computed from the table before training."""
@@ -438,7 +492,7 @@ def train_batches(args, table, tok, rank, world_size, device, num_splits, plan, 
             except ValueError as e:
                 raise UserError(f"the checkpoint's loader state does not fit this run: {e}") from None
             loader_state = None
-        for batch in make_loader(ds, args, device):
+        for batch in make_loader(ds, args, device, num_splits // world_size):
             yield epoch, ds, batch
 
 
@@ -465,7 +519,8 @@ def atomic_save(obj, path: str) -> None:
         os.close(dir_fd)
 
 
-def save_checkpoint(ckpt_dir: str, rank: int, world_size: int, rank_payload: dict, main_payload) -> str:
+def save_checkpoint(ckpt_dir: str, rank: int, world_size: int, rank_payload: dict, main_payload,
+                    keep_last: int = 0) -> str:
     """Every rank saves its loader state; rank 0's file, written last, commits the step.
 
     `main_payload` is a callable so only rank 0 pays for gathering model/optimizer state.
@@ -481,7 +536,30 @@ def save_checkpoint(ckpt_dir: str, rank: int, world_size: int, rank_payload: dic
     if rank == 0:
         atomic_save({**main_payload(), **rank_payload}, path)
     barrier(world_size)
+    if rank == 0:
+        prune_checkpoints(ckpt_dir, keep_last)
     return path
+
+
+def prune_checkpoints(ckpt_dir: str, keep_last: int) -> None:
+    """Drop torn temp files and all but the newest `keep_last` committed steps.
+
+    Runs on rank 0 after a commit, when no rank is writing. The rank-0 file goes
+    first, so a prune cut short leaves loose loader files, never a false checkpoint.
+    """
+    names = os.listdir(ckpt_dir)
+    for name in names:
+        if ".pt.tmp" in name:
+            os.remove(os.path.join(ckpt_dir, name))
+    if not keep_last:
+        return
+    steps = sorted(int(m.group(1)) for m in map(CKPT_NAME.match, names) if m)
+    for step in steps[:-keep_last]:
+        os.remove(checkpoint_path(ckpt_dir, step))
+        prefix = os.path.basename(checkpoint_path(ckpt_dir, step))[:-len(".pt")] + "_dsrank"
+        for name in names:
+            if name.startswith(prefix):
+                os.remove(os.path.join(ckpt_dir, name))
 
 
 def read_checkpoint(path: str) -> dict:
@@ -588,7 +666,7 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
         start_epoch, opt_step = ckpt["epoch"], ckpt["opt_step"]
-        tokens_seen = ckpt.get("tokens_seen", 0) if is_main else 0
+        tokens_seen = ckpt.get("tokens_seen", 0) if is_main else 0  # global: rank 0 carries it
         if is_main:
             print(f"resumed from {path} (epoch {start_epoch}, opt step {opt_step})")
     raw_model = model
@@ -615,23 +693,34 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
     last_saved = opt_step if ckpt is not None else -1
     epoch, ds = start_epoch, None
 
+    def global_tokens() -> int:
+        """Real tokens trained on by all ranks, this run and the runs it resumes."""
+        total = tokens.clone()
+        if world_size > 1:
+            dist.all_reduce(total)
+        return int(total)
+
     def save(epoch: int, ds) -> None:
         rank_payload = {"dataset": ds.state_dict(), "epoch": epoch, "opt_step": opt_step}
+        seen = global_tokens()
         path = save_checkpoint(args.ckpt_dir, rank, world_size, rank_payload, lambda: {
             "model": raw_model.state_dict(),
             "optimizer": opt.state_dict(),
-            "tokens_seen": int(tokens),
+            "tokens_seen": seen,
             "world_size": world_size,
             "config": config,
-        })
+        }, args.keep_last)
         if is_main:
             print(f"  saved {path}")
 
     done = bool(args.steps) and opt_step >= args.steps
     batches = () if done else train_batches(args, table, tok, rank, world_size, device,
                                              num_splits, plan, start_epoch, loader_state)
+    trace = SampleTrace(args.trace_samples, rank) if args.trace_samples else None
     micro = 0
     for epoch, ds, batch in batches:
+        if trace:
+            trace.add(batch["input_ids"])
         is_sync = (micro + 1) % args.grad_accum == 0
         ctx = (
             trainable.no_sync()
@@ -652,6 +741,8 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         opt_step += 1
+        if trace:
+            trace.commit(opt_step, epoch)
 
         if is_main and opt_step % args.log_every == 0:
             if device.type == "cuda":
@@ -681,9 +772,10 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
         save(epoch, ds)
 
     val = evaluate(model, args, table, rank, world_size, device, tok)
+    seen = global_tokens()
     if is_main:
         print(
-            f"final: opt_step={opt_step} tokens_seen(rank0)={int(tokens):,} "
+            f"final: opt_step={opt_step} tokens_seen={seen:,} "
             f"val_loss={format_val(val)}",
             flush=True,
         )
