@@ -1,6 +1,7 @@
 """train.py end to end on real LanceDB tables: smoke run, packing, exact resume, errors."""
 
 import argparse
+import json
 import re
 
 import lancedb
@@ -184,3 +185,25 @@ def test_bad_flags_are_one_line_errors(demo_db, tmp_path, flags, fragment):
                       *flags, cwd=tmp_path)
     assert_user_error(proc, fragment)
     assert not (tmp_path / "ck").exists()
+
+
+def test_keep_last_prunes_old_checkpoints_and_torn_files(demo_db, tmp_path, capsys):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "step_00000001.pt.tmp4242").write_bytes(b"left by a killed run")
+    train.main(["--db", demo_db, *FAST, "--steps", "5", "--ckpt-every", "1", "--keep-last", "2",
+                "--ckpt-dir", str(ck)])
+    assert sorted(p.name for p in ck.iterdir()) == ["step_00000004.pt", "step_00000005.pt"]
+    assert "saved" in capsys.readouterr().out
+
+
+def test_trace_samples_names_every_sample_of_every_step(demo_db, tmp_path, capsys):
+    train.main(["--db", demo_db, *FAST, "--steps", "3", "--grad-accum", "2",
+                "--ckpt-dir", str(tmp_path / "ck"), "--trace-samples", str(tmp_path / "trace")])
+    lines = [json.loads(x) for x in (tmp_path / "trace" / "rank0.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3]
+    assert all(x["rank"] == 0 and x["epoch"] == 0 for x in lines)
+    assert all(len(x["samples"]) == 4 * 2 for x in lines)  # batch size x grad accum
+    assert all(re.fullmatch(r"[0-9a-f]{16}", h) for x in lines for h in x["samples"])
+    assert len({h for x in lines for h in x["samples"]}) == 24  # distinct documents
+    capsys.readouterr()
