@@ -28,6 +28,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import numpy as np
@@ -768,6 +769,8 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
                 print(f"  val loss @ step {opt_step}: {format_val(val)}", flush=True)
         if args.steps and opt_step >= args.steps:
             break
+    if isinstance(batches, Generator):
+        batches.close()  # stops loader workers now, not at interpreter exit
     if ds is not None and opt_step != last_saved:  # the end of the run is always resumable
         save(epoch, ds)
 
