@@ -604,17 +604,20 @@ def newest_complete_checkpoint(ckpt_dir: str) -> str:
 
 
 def run_config(args, num_splits: int, global_batch: int) -> dict:
+    """The settings a checkpoint pins. global_batch counts the samples of one optimizer
+    step, so a resume may trade --batch-size, ranks and --grad-accum against each other."""
     return dict(num_splits=num_splits, shuffle_seed=args.shuffle_seed, seq_len=args.seq_len,
                 pack=args.pack, tokenizer=args.tokenizer, model=args.model,
-                min_score=args.min_score, global_batch=global_batch)
+                min_score=args.min_score, global_batch=global_batch * args.grad_accum)
 
 
 def check_resume_config(saved: dict, current: dict, path: str) -> None:
     for key in RESUME_INVARIANTS:
         if key in saved and saved[key] != current[key]:
+            why = " (batch size x ranks x grad accum)" if key == "global_batch" else ""
             raise UserError(
                 f"cannot resume from {path}: it was trained with {key}={saved[key]!r}, "
-                f"this run has {key}={current[key]!r}"
+                f"this run has {key}={current[key]!r}{why}"
             )
 
 

@@ -1,8 +1,10 @@
 """Shared fixtures: the README smoke run (which also builds the demo corpus) and a runner for train.py."""
 
+import contextlib
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -52,3 +54,152 @@ def demo_db(smoke_run):
     proc, cwd = smoke_run
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return str(cwd / "data" / "lancedb")
+
+
+# ── Processes: train.py under torchrun, and killing whole process trees ──────────────
+
+def train_command(nproc, *args):
+    """`python train.py ...` for one rank, `python -m torch.distributed.run ... train.py ...` for more."""
+    args = [str(a) for a in args]
+    if nproc == 1:
+        return [sys.executable, str(REPO / "train.py"), *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            str(nproc), str(REPO / "train.py"), *args]
+
+
+def _proc_stat(pid):
+    """(state, ppid, session) of a live pid from /proc/<pid>/stat, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # comm may hold spaces and parentheses
+    return fields[0], int(fields[1]), int(fields[3])
+
+
+def _all_pids():
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def process_tree(root):
+    """`root` and all its live descendants (by ppid), parents before children.
+
+    torchrun starts its workers in sessions of their own, so a process group or
+    session does not cover them; the parent links do, as long as nobody has died yet.
+    """
+    children = {}
+    for pid in _all_pids():
+        stat = _proc_stat(pid)
+        if stat:
+            children.setdefault(stat[1], []).append(pid)
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop(0)
+        if _proc_stat(pid):
+            tree.append(pid)
+        todo.extend(children.get(pid, ()))
+    return tree
+
+
+def is_alive(pid):
+    stat = _proc_stat(pid)
+    return stat is not None and stat[0] not in ("Z", "X")
+
+
+def kill_tree(root, first=()):
+    """SIGSTOP the whole tree of `root` (so nothing forks or writes on), then SIGKILL it all.
+
+    Stopping first freezes the tree where it stands: a killed parent's children
+    would be re-parented and vanish from the walk. `first`: pids known to be in the
+    tree (from an earlier process_tree), stopped before the walk to act sooner.
+    Returns every pid it signalled.
+    """
+    import signal
+
+    frozen = [pid for pid in first if is_alive(pid)]
+    for pid in frozen:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+    while True:
+        new = [pid for pid in process_tree(root) if pid not in frozen]
+        if not new:
+            break
+        for pid in new:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        frozen.extend(new)
+    for pid in frozen:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return frozen
+
+
+def wait_gone(pids, timeout=20.0):
+    """Wait until none of `pids` is alive (zombies count as dead); returns the survivors."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [pid for pid in pids if is_alive(pid)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+def pids_mentioning(fragment):
+    """Live processes whose command line contains `fragment` (e.g. a run's unique ckpt dir)."""
+    found = []
+    for pid in _all_pids():
+        if pid == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if fragment in cmdline and is_alive(pid):
+            found.append(pid)
+    return found
+
+
+def session_pids(sid):
+    """Live processes of session `sid` (a run started with start_new_session=True and its helpers)."""
+    return [pid for pid in _all_pids() if (s := _proc_stat(pid)) and s[2] == sid and is_alive(pid)]
+
+
+def start_train(nproc, *args, cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE):
+    """Popen of train.py (torchrun for nproc > 1) in a session of its own."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(train_command(nproc, *args), cwd=cwd, env=env, stdout=stdout,
+                            stderr=stderr, text=True, start_new_session=True)
+
+
+def run_train(nproc, *args, cwd, timeout=300):
+    """Run train.py on `nproc` ranks to the end; a run past `timeout` has its whole tree
+    killed and fails the test (CompletedProcess otherwise, any exit code)."""
+    proc = start_train(nproc, *args, cwd=cwd)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        main_exited = proc.poll() is not None
+        kill_tree(proc.pid)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # an orphan outside the tree holds the pipes
+            out, err = "", "(output lost: the pipes stayed open after the kill)"
+        pytest.fail(f"train.py on {nproc} rank(s) did not finish within {timeout}s "
+                    f"({'the main process exited but a child kept its output open' if main_exited else 'still running'})"
+                    f"\n$ {' '.join(train_command(nproc, *args))}\n{out}\n{err}")
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    done.pid = proc.pid  # == its session id: start_new_session
+    return done
+
+
+def run_trains(jobs, *, cwd, timeout=300):
+    """Run several independent train.py jobs, each `(nproc, args)`, at the same time (their
+    start-up and teardown overlap); returns their CompletedProcesses in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(run_train, nproc, *args, cwd=cwd, timeout=timeout)
+                   for nproc, args in jobs]
+        return [f.result() for f in futures]

@@ -207,3 +207,24 @@ def test_trace_samples_names_every_sample_of_every_step(demo_db, tmp_path, capsy
     assert all(re.fullmatch(r"[0-9a-f]{16}", h) for x in lines for h in x["samples"])
     assert len({h for x in lines for h in x["samples"]}) == 24  # distinct documents
     capsys.readouterr()
+
+
+def test_resume_may_trade_batch_size_for_grad_accum(demo_db, tmp_path, capsys):
+    """Same samples per optimizer step (4 x 2 = 8 x 1): accepted, and every step sees the same samples."""
+    base = ["--db", demo_db, *FAST, "--num-splits", "4"]
+
+    def run(name, steps, batch, accum, *extra):
+        train.main([*base, "--batch-size", batch, "--grad-accum", accum, "--steps", steps,
+                    "--ckpt-dir", str(tmp_path / f"ck-{name}"), "--ckpt-every", "2",
+                    "--trace-samples", str(tmp_path / f"trace-{name}"), *extra])
+        return capsys.readouterr().out
+
+    run("straight", "4", "4", "2")
+    run("traded", "2", "4", "2")
+    assert "(epoch 0, opt step 2)" in run("traded", "4", "8", "1", "--resume", "auto")
+
+    def per_step(name):
+        lines = (tmp_path / f"trace-{name}" / "rank0.jsonl").read_text().splitlines()
+        return {x["step"]: sorted(x["samples"]) for x in map(json.loads, lines)}
+
+    assert per_step("traded") == per_step("straight")
