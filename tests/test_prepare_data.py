@@ -5,20 +5,17 @@ import gzip
 import json
 import os
 import subprocess
-import sys
 import tracemalloc
-from pathlib import Path
 
 import lancedb
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from common import CORPUS_SCHEMA, UserError, load_tokenizer  # noqa: E402
-from prepare_data import build_demo, ingest, quality_score  # noqa: E402
+from common import CORPUS_SCHEMA, UserError, load_tokenizer
+from conftest import REPO as ROOT
+from conftest import assert_user_error, run_script
+from prepare_data import build_demo, ingest, quality_score
 
 PROSE = [
     "The river ran quietly through the valley, past the old mill and the fields of barley.",
@@ -40,12 +37,7 @@ def read_table(db, table="corpus") -> pa.Table:
 
 
 def run_cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "prepare_data.py"), *map(str, args)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-
-
-def stderr_lines(proc) -> list[str]:
-    return [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    return run_script("prepare_data.py", *args, cwd=ROOT, timeout=120)
 
 
 def write_jsonl(path, records, opener=open):
@@ -173,10 +165,7 @@ def test_create_refuses_an_existing_table(tmp_path):
     ingest([str(path)], str(tmp_path / "db"), "corpus", "byte")
     version = lancedb.connect(str(tmp_path / "db")).open_table("corpus").version
     proc = run_cli(path, "--db", tmp_path / "db", "--table", "corpus")
-    assert proc.returncode == 2
-    lines = stderr_lines(proc)
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in proc.stderr
-    assert "'corpus'" in lines[0] and "--mode append" in lines[0] and "--mode overwrite" in lines[0]
+    assert_user_error(proc, "'corpus'", "--mode append", "--mode overwrite")
     tbl = lancedb.connect(str(tmp_path / "db")).open_table("corpus")
     assert tbl.version == version and tbl.count_rows() == len(texts)
 
@@ -246,18 +235,14 @@ def test_quality_score_passes_prose_and_fails_junk():
 def test_empty_input_is_a_user_error(tmp_path):
     (tmp_path / "empty.jsonl").write_text("", encoding="utf-8")
     proc = run_cli(tmp_path / "empty.jsonl", "--db", tmp_path / "db")
-    assert proc.returncode == 2
-    lines = stderr_lines(proc)
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "no document" in lines[0]
+    assert_user_error(proc, "no document")
     assert not (tmp_path / "db").exists()
 
 
 def test_unknown_explicit_file_type_is_a_user_error(tmp_path):
     (tmp_path / "data.csv").write_text("text\nhello\n", encoding="utf-8")
     proc = run_cli(tmp_path / "data.csv", "--db", tmp_path / "db")
-    assert proc.returncode == 2
-    lines = stderr_lines(proc)
-    assert len(lines) == 1 and "data.csv" in lines[0] and "Traceback" not in proc.stderr
+    assert_user_error(proc, "data.csv")
 
 
 # ----------------------------------------------------------------------------- demo, hf tokenizer
