@@ -589,15 +589,15 @@ def load_checkpoint(path: str) -> tuple[dict, dict]:
         raise UserError(f"checkpoint {path!r} has inconsistent loader states: {e}") from None
 
 
-def newest_complete_checkpoint(ckpt_dir: str) -> str:
-    """The newest step whose files all load; incomplete or unreadable ones are skipped with a warning."""
+def newest_complete_checkpoint(ckpt_dir: str) -> tuple[str, dict, dict]:
+    """The newest step whose files all load, as (path, checkpoint, merged loader state);
+    incomplete or unreadable ones are skipped with a warning."""
     names = sorted((n for n in os.listdir(ckpt_dir) if CKPT_NAME.match(n)), reverse=True) \
         if os.path.isdir(ckpt_dir) else []
     for name in names:
         path = os.path.join(ckpt_dir, name)
         try:
-            load_checkpoint(path)
-            return path
+            return (path, *load_checkpoint(path))
         except UserError as e:
             print(f"warning: skipping checkpoint {path}: {e}", file=sys.stderr)
     raise UserError(f"--resume auto: no complete checkpoint in {ckpt_dir!r}")
@@ -649,8 +649,11 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
 
     ckpt, loader_state = None, None
     if args.resume:
-        path = newest_complete_checkpoint(args.ckpt_dir) if args.resume == "auto" else args.resume
-        ckpt, loader_state = load_checkpoint(path)
+        if args.resume == "auto":
+            path, ckpt, loader_state = newest_complete_checkpoint(args.ckpt_dir)
+        else:
+            path = args.resume
+            ckpt, loader_state = load_checkpoint(path)
         check_resume_config(ckpt.get("config", {}), config, path)
 
     torch.manual_seed(1234)
