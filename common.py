@@ -7,10 +7,12 @@ training needs, a tokenizer that is not available offline) is raised as
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import pyarrow as pa
 
 DEFAULT_DB = "data/lancedb"
@@ -82,6 +84,71 @@ def connect_table(db: str, table: str):
                 f"expected {what}"
             )
     return tbl
+
+
+def block_hashes(blocks: np.ndarray) -> list[str]:
+    """Name each row of a (n, seq_len) token array by the first 16 hex digits of
+    BLAKE2b over its tokens as little-endian int32.
+
+    The same name everywhere (sample traces, manifests, the loader benchmark), so
+    a block can be followed from the builder through any loader into a step.
+    """
+    rows = np.ascontiguousarray(blocks, dtype="<i4").reshape(len(blocks), -1)
+    return [hashlib.blake2b(row.tobytes()).hexdigest()[:16] for row in rows]
+
+
+class MultisetDigest:
+    """Order-independent digest of a multiset of blocks: their count and the sum of
+    their 64-bit names mod 2**64 (a sum, unlike XOR, does not cancel duplicates)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.total = 0
+
+    def add(self, names: list[str]) -> None:
+        self.count += len(names)
+        self.total = (self.total + sum(int(h, 16) for h in names)) % (1 << 64)
+
+    def hexdigest(self) -> str:
+        return f"{self.total:016x}"
+
+
+def write_stream(write: Callable, schema: pa.Schema, batches) -> None:
+    """Call `write(reader)` (a lance create_table / add) on a stream of record batches.
+
+    Lance re-raises an exception from inside the stream as its own RuntimeError;
+    the original is re-raised instead, so a UserError or Ctrl-C reads as itself.
+    """
+    errors = []
+
+    def recorded():
+        try:
+            yield from batches
+        except (Exception, KeyboardInterrupt) as e:
+            errors.append(e)
+            raise
+
+    try:
+        write(pa.RecordBatchReader.from_batches(schema, recorded()))
+    except RuntimeError:
+        if errors:
+            raise errors[0] from None
+        raise
+
+
+def packed_token_count(table, where: str) -> tuple[int, int]:
+    """Documents passing `where`, and their tokens once packed (one EOS after each).
+
+    Read from the `n_tokens` column, so the packed block budget is exact without
+    touching the token lists.
+    """
+    import pyarrow.compute as pc
+
+    rows = table.count_rows(where)
+    if rows == 0:
+        return 0, 0
+    counts = table.search().select(["n_tokens"]).where(where).limit(rows).to_arrow()
+    return rows, pc.sum(counts.column("n_tokens")).as_py() + rows
 
 
 @dataclass

@@ -49,7 +49,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from common import CORPUS_SCHEMA, DEFAULT_DB, DEFAULT_TABLE, UserError, is_remote, load_tokenizer
+from common import (CORPUS_SCHEMA, DEFAULT_DB, DEFAULT_TABLE, UserError, is_remote, load_tokenizer,
+                    write_stream)
 
 DEFAULT_VAL_FRACTION = 0.02
 DEFAULT_MIN_CHARS = 50  # under ~8 words there is hardly a sentence to learn from
@@ -321,28 +322,12 @@ def commit(db: str, table: str, existing, mode: str, batches: Iterator[pa.Record
     """Write every batch in one commit, so a failure leaves the table as it was."""
     import lancedb
 
-    errors = []
-
-    def recorded():
-        # lance re-raises an exception from inside the stream as a RuntimeError;
-        # keep the original so the user sees its message rather than lance's wrapper.
-        try:
-            yield from batches
-        except (Exception, KeyboardInterrupt) as e:
-            errors.append(e)
-            raise
-
-    reader = pa.RecordBatchReader.from_batches(CORPUS_SCHEMA, recorded())
-    try:
-        if existing is not None and mode == "append":
-            existing.add(reader)
-        else:  # a missing table on --mode append is simply created
-            lancedb.connect(db).create_table(table, data=reader, schema=CORPUS_SCHEMA,
-                                             mode="overwrite" if mode == "overwrite" else "create")
-    except RuntimeError:
-        if errors:
-            raise errors[0] from None
-        raise
+    if existing is not None and mode == "append":
+        write_stream(existing.add, CORPUS_SCHEMA, batches)
+    else:  # a missing table on --mode append is simply created
+        write_stream(lambda reader: lancedb.connect(db).create_table(
+            table, data=reader, schema=CORPUS_SCHEMA,
+            mode="overwrite" if mode == "overwrite" else "create"), CORPUS_SCHEMA, batches)
 
 
 def write_corpus(docs: Docs, db: str, table: str, tokenizer_spec: str, *, val_fraction: float,

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import hashlib
 import itertools
 import json
 import math
@@ -28,12 +27,11 @@ import os
 import re
 import sys
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -45,8 +43,10 @@ from common import (
     TRAIN_FILTER,
     VAL_FILTER,
     UserError,
+    block_hashes,
     connect_table,
     load_tokenizer,
+    packed_token_count,
 )
 from model import MODEL_SIZES, make_model
 
@@ -63,7 +63,7 @@ CKPT_NAME = re.compile(r"^step_(\d{8})\.pt$")
 
 # Settings that fix the sample order or the model: a resume must not change them.
 RESUME_INVARIANTS = ("num_splits", "shuffle_seed", "seq_len", "pack", "tokenizer",
-                     "model", "min_score", "global_batch")
+                     "model", "min_score", "global_batch", "data")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -209,15 +209,22 @@ def check_args(args, world_size: int) -> int:
         if value < 0:
             raise UserError(f"{flag} must not be negative (got {value})")
     if args.blocks_mode != "off":
-        raise UserError(
-            f"--blocks-mode {args.blocks_mode} needs the blocks built by "
-            "build_packed_datasets.py, which this checkout does not have yet"
-        )
+        if not args.blocks_path:
+            fmt = "mds" if args.blocks_mode == "mosaic" else args.blocks_mode
+            raise UserError(f"--blocks-mode {args.blocks_mode} needs --blocks-path: the OUT/{fmt} "
+                            f"directory that build_packed_datasets.py wrote")
+        if args.pack:
+            raise UserError("--pack packs the corpus table in the loader and --blocks-mode trains on "
+                            "blocks packed already: pass one of them")
+        if args.resume and args.blocks_mode != "lance":
+            raise UserError(f"--blocks-mode {args.blocks_mode} keeps no loader state, so it cannot "
+                            f"--resume; --blocks-mode off and lance resume mid-epoch")
     global_batch = args.batch_size * world_size
     num_splits = args.num_splits or global_batch
     if num_splits % world_size:
         raise UserError(f"num_splits ({num_splits}) must be divisible by the world size ({world_size})")
-    if args.num_workers and num_splits % (world_size * args.num_workers):
+    streams = args.blocks_mode in ("off", "lance")  # the others use plain DataLoader workers
+    if streams and args.num_workers and num_splits % (world_size * args.num_workers):
         raise UserError(
             f"num_splits ({num_splits}) must be divisible by world_size x "
             f"num_workers ({world_size} x {args.num_workers})"
@@ -271,25 +278,18 @@ def data_filter(args, split_filter: str) -> str:
     return f"NOT is_dup AND score >= {args.min_score} AND ({split_filter})"
 
 
-def make_dataset(
-    args,
-    table,
-    rank: int,
-    world_size: int,
-    *,
-    split_filter: str,
-    epoch: int,
-    shuffle: bool,
-    tok,
-    num_splits: int,
-    packed: bool = False,
-    blocks_per_epoch=None,
-):
+def make_dataset(args, table, rank: int, world_size: int, *, epoch: int, shuffle: bool,
+                 num_splits: int, **source):
+    """lancedb's StreamingDataset with this run's loader settings.
+
+    `source` says which rows to read and how they become samples: `corpus_source`
+    for the corpus table, a blocks transform for the pre-packed blocks table.
+    """
     from lancedb.streaming import StreamingDataset
 
-    kwargs = dict(
+    return StreamingDataset(
+        table,
         columns=["input_ids"],
-        filter=data_filter(args, split_filter),
         num_splits=num_splits,
         shuffle=shuffle,
         shuffle_seed=args.shuffle_seed,
@@ -300,20 +300,22 @@ def make_dataset(
         io_queue_depth=args.io_queue_depth,
         transform_parallelism=args.transform_parallelism,
         transform_queue_depth=args.transform_queue_depth or None,
+        **source,
     )
+
+
+def corpus_source(args, tok, split_filter: str, packed: bool = False, blocks_per_epoch=None) -> dict:
+    """make_dataset's `source` for the corpus table: filtered rows, one per sample, or
+    packed by the loader into EOS-joined blocks (pads, only where a split runs dry,
+    are masked from the loss by id)."""
+    source = dict(filter=data_filter(args, split_filter))
     if packed:
-        # Packing lives in the loader: EOS-joined blocks, pad only when a
-        # split runs dry.  Pads are masked from the loss in the train step.
-        kwargs.update(
-            pack_sequences=args.seq_len,
-            eos_id=tok.eos_token_id,
-            pad_id=tok.pad_token_id,
-            blocks_per_epoch=blocks_per_epoch,
-        )
+        source.update(pack_sequences=args.seq_len, eos_id=tok.eos_token_id,
+                      pad_id=tok.pad_token_id, blocks_per_epoch=blocks_per_epoch)
     else:
-        kwargs.update(transform=functools.partial(
-            rows_to_samples, seq_len=args.seq_len, pad_id=tok.pad_token_id))
-    return StreamingDataset(table, **kwargs)
+        source.update(transform=functools.partial(rows_to_samples, seq_len=args.seq_len,
+                                                  pad_id=tok.pad_token_id))
+    return source
 
 
 def make_loader(ds, args, device: torch.device, splits_per_rank: int):
@@ -366,10 +368,10 @@ def evaluate(model, args, table, rank, world_size, device, tok) -> float | None:
     One split per rank: the validation split is small, and its order does not
     matter, so it need not share the training split layout.
     """
-    if table.count_rows(data_filter(args, VAL_FILTER)) < world_size:
+    if table is None or table.count_rows(data_filter(args, VAL_FILTER)) < world_size:
         return None  # the loader needs a row per split
-    ds = make_dataset(args, table, rank, world_size, split_filter=VAL_FILTER, epoch=0,
-                      shuffle=False, tok=tok, num_splits=world_size)
+    ds = make_dataset(args, table, rank, world_size, epoch=0, shuffle=False, num_splits=world_size,
+                      **corpus_source(args, tok, VAL_FILTER))
     loader = DataLoader(ds, batch_size=args.batch_size, num_workers=0)
     model.eval()
     losses = []
@@ -387,8 +389,11 @@ def evaluate(model, args, table, rank, world_size, device, tok) -> float | None:
     return (stats[0] / stats[1]).item() if stats[1] > 0 else None
 
 
-def format_val(val: float | None) -> str:
-    return f"{val:.4f}" if val is not None else "n/a (empty validation split)"
+def format_val(val: float | None, args) -> str:
+    if val is not None:
+        return f"{val:.4f}"
+    return "n/a (--blocks-mode has no validation split)" if args.blocks_mode != "off" \
+        else "n/a (empty validation split)"
 
 
 def lr_at(step: int, total: int, args) -> float:
@@ -426,8 +431,7 @@ class SampleTrace:
         self.pending: list[str] = []
 
     def add(self, input_ids: torch.Tensor) -> None:
-        rows = input_ids.to(torch.int32).numpy().astype("<i4")
-        self.pending.extend(hashlib.blake2b(row.tobytes()).hexdigest()[:16] for row in rows)
+        self.pending.extend(block_hashes(input_ids.numpy()))
 
     def commit(self, step: int, epoch: int) -> None:
         self.file.write(json.dumps({"step": step, "rank": self.rank, "epoch": epoch,
@@ -446,7 +450,7 @@ class EpochPlan:
 
 def plan_epoch(args, table, num_splits: int, global_batch: int) -> EpochPlan:
     train_filter = data_filter(args, TRAIN_FILTER)
-    train_rows = table.count_rows(train_filter)
+    train_rows, total_tokens = packed_token_count(table, train_filter)
     if train_rows < num_splits:
         raise UserError(
             f"only {train_rows} training rows pass the filter ({train_filter}) but "
@@ -457,8 +461,6 @@ def plan_epoch(args, table, num_splits: int, global_batch: int) -> EpochPlan:
     if not args.pack:
         cycles = train_rows // num_splits
         return EpochPlan(train_rows, None, -(-cycles // cycles_per_batch))
-    toks = table.search().select(["n_tokens"]).where(train_filter).limit(train_rows).to_arrow()
-    total_tokens = pc.sum(toks.column("n_tokens")).as_py() + train_rows  # + one EOS per doc
     exact = total_tokens // args.seq_len
     exact -= exact % num_splits
     if args.blocks_per_epoch == "auto":
@@ -481,12 +483,79 @@ def plan_epoch(args, table, num_splits: int, global_batch: int) -> EpochPlan:
     return EpochPlan(train_rows, blocks_per_epoch, -(-(sized // num_splits) // cycles_per_batch))
 
 
-def train_batches(args, table, tok, rank, world_size, device, num_splits, plan, start_epoch, loader_state):
-    """Micro-batches across epochs as (epoch, dataset, batch); resumes mid-epoch from loader_state."""
+@dataclass
+class TrainingData:
+    """Where a run's training samples come from, epoch by epoch.
+
+    The corpus table (rows or --pack) and the lance blocks table give a lancedb
+    StreamingDataset per epoch, whose state checkpoints carry; the other
+    --blocks-mode baselines give plain batches and no state.
+    """
+
+    plan: EpochPlan
+    identity: str  # what the samples are; a checkpoint pins it
+    table: object | None = None  # the corpus table, for validation
+    dataset: Callable[[int], object] | None = None
+    baseline: object | None = None  # blocks_loaders.BlocksEpochs
+
+
+def open_training_data(args, tok, rank: int, world_size: int, device, num_splits: int,
+                       global_batch: int) -> TrainingData:
+    if args.blocks_mode == "off":
+        ensure_demo_corpus(args, rank == 0, world_size)
+        table = connect_table(args.db, args.table)
+        plan = plan_epoch(args, table, num_splits, global_batch)
+        source = corpus_source(args, tok, TRAIN_FILTER, args.pack, plan.blocks_per_epoch)
+        return TrainingData(plan, "corpus", table, dataset=lambda epoch: make_dataset(
+            args, table, rank, world_size, epoch=epoch, shuffle=True, num_splits=num_splits, **source))
+
+    import blocks_loaders
+
+    fmt = "mds" if args.blocks_mode == "mosaic" else args.blocks_mode
+    manifest = blocks_loaders.read_manifest(args.blocks_path, fmt)
+    check_blocks_manifest(args, tok, manifest)
+    identity = f"blocks:{manifest['content_hash'][:16]}"
+    num_blocks = manifest["num_blocks"]
+    if args.blocks_mode == "lance":
+        table, _ = blocks_loaders.open_lance_blocks(args.blocks_path)
+        if num_blocks < num_splits:
+            raise UserError(f"{args.blocks_path!r} holds {num_blocks} blocks, fewer than num_splits "
+                            f"({num_splits}); lower --num-splits or --batch-size")
+        cycles = num_blocks // num_splits
+        plan = EpochPlan(num_blocks, None, -(-cycles // (global_batch // num_splits)))
+        transform = functools.partial(blocks_loaders.blocks_to_samples, seq_len=args.seq_len)
+        return TrainingData(plan, identity, dataset=lambda epoch: make_dataset(
+            args, table, rank, world_size, epoch=epoch, shuffle=True, num_splits=num_splits,
+            transform=transform))
+    baseline = blocks_loaders.BlocksEpochs(
+        args.blocks_mode, args.blocks_path, rank=rank, world_size=world_size,
+        batch_size=args.batch_size, seed=args.shuffle_seed, num_workers=args.num_workers,
+        mp_context=args.mp_context, pin_memory=device.type == "cuda")
+    plan = EpochPlan(num_blocks, None, -(-baseline.blocks_per_rank // args.batch_size))
+    return TrainingData(plan, identity, baseline=baseline)
+
+
+def check_blocks_manifest(args, tok, manifest: dict) -> None:
+    """The blocks must be this run's length and tokenizer (ids beyond the vocabulary
+    would crash the embedding; another length would cut blocks apart)."""
+    if manifest["seq_len"] != args.seq_len:
+        raise UserError(f"the blocks at {args.blocks_path!r} hold {manifest['seq_len']} tokens; "
+                        f"pass --seq-len {manifest['seq_len']}")
+    built = (manifest["vocab_size"], manifest["eos_id"], manifest["pad_id"])
+    if built != (tok.vocab_size, tok.eos_token_id, tok.pad_token_id):
+        raise UserError(f"the blocks at {args.blocks_path!r} were tokenized with "
+                        f"{manifest['tokenizer']!r}, not {tok.spec!r}; pass --tokenizer {manifest['tokenizer']}")
+
+
+def train_batches(args, data: TrainingData, rank, world_size, device, num_splits, start_epoch,
+                  loader_state):
+    """Micro-batches across epochs as (epoch, dataset or None, batch); resumes mid-epoch from loader_state."""
     for epoch in range(start_epoch, args.epochs):
-        ds = make_dataset(args, table, rank, world_size, split_filter=TRAIN_FILTER, epoch=epoch,
-                          shuffle=True, tok=tok, num_splits=num_splits, packed=args.pack,
-                          blocks_per_epoch=plan.blocks_per_epoch)
+        if data.baseline is not None:
+            for batch in data.baseline.epoch(epoch):
+                yield epoch, None, batch
+            continue
+        ds = data.dataset(epoch)
         if loader_state is not None:
             try:
                 ds.load_state_dict(loader_state)
@@ -580,6 +649,8 @@ def load_checkpoint(path: str) -> tuple[dict, dict]:
     if not isinstance(ckpt, dict) or not {"model", "optimizer", "dataset", "opt_step"} <= ckpt.keys():
         raise UserError(f"{path!r} is not a checkpoint written by train.py")
     step, saved_world = ckpt["opt_step"], ckpt.get("world_size", 1)
+    if ckpt["dataset"] is None:  # a --blocks-mode baseline: weights only
+        return ckpt, None
     ckpt_dir = os.path.dirname(path)
     states = [ckpt["dataset"]] + [read_checkpoint(checkpoint_path(ckpt_dir, step, r))["dataset"]
                                   for r in range(1, saved_world)]
@@ -603,12 +674,12 @@ def newest_complete_checkpoint(ckpt_dir: str) -> tuple[str, dict, dict]:
     raise UserError(f"--resume auto: no complete checkpoint in {ckpt_dir!r}")
 
 
-def run_config(args, num_splits: int, global_batch: int) -> dict:
+def run_config(args, num_splits: int, global_batch: int, data: str) -> dict:
     """The settings a checkpoint pins. global_batch counts the samples of one optimizer
     step, so a resume may trade --batch-size, ranks and --grad-accum against each other."""
     return dict(num_splits=num_splits, shuffle_seed=args.shuffle_seed, seq_len=args.seq_len,
                 pack=args.pack, tokenizer=args.tokenizer, model=args.model,
-                min_score=args.min_score, global_batch=global_batch * args.grad_accum)
+                min_score=args.min_score, global_batch=global_batch * args.grad_accum, data=data)
 
 
 def check_resume_config(saved: dict, current: dict, path: str) -> None:
@@ -643,9 +714,9 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
     num_splits = check_args(args, world_size)
     global_batch = args.batch_size * world_size
     tok = load_tokenizer(args.tokenizer)
-    ensure_demo_corpus(args, is_main, world_size)
-    table = connect_table(args.db, args.table)
-    config = run_config(args, num_splits, global_batch)
+    data = open_training_data(args, tok, rank, world_size, device, num_splits, global_batch)
+    plan = data.plan
+    config = run_config(args, num_splits, global_batch, data.identity)
 
     ckpt, loader_state = None, None
     if args.resume:
@@ -666,6 +737,7 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
             f"world_size={world_size} global_batch={global_batch} "
             f"num_splits={num_splits} compile={args.compile} "
             f"num_workers={args.num_workers}"
+            + (f" blocks_mode={args.blocks_mode}" if args.blocks_mode != "off" else "")
         )
     opt = make_optimizer(model, args, device)
     start_epoch, opt_step, tokens_seen = 0, 0, 0
@@ -683,7 +755,6 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
     if world_size > 1:
         trainable = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
-    plan = plan_epoch(args, table, num_splits, global_batch)
     if is_main and args.pack:
         print(f"blocks_per_epoch: {plan.blocks_per_epoch}")
     total_micro = plan.micro_steps_per_epoch * args.epochs
@@ -691,14 +762,16 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
     total_steps = args.lr_total_steps or args.steps or max(total_micro // args.grad_accum, 1)
     if is_main:
         print(
-            f"train rows (post-filter): {plan.train_rows:,}  ~steps/epoch: "
+            f"train {'rows (post-filter)' if args.blocks_mode == 'off' else 'blocks'}: "
+            f"{plan.train_rows:,}  ~steps/epoch: "
             f"{steps_per_epoch:,}  target steps: {total_steps:,}"
         )
 
     tokens = torch.tensor(tokens_seen, dtype=torch.int64, device=device)
     t_last, step_last = time.perf_counter(), opt_step
     last_saved = opt_step if ckpt is not None else -1
-    epoch, ds = start_epoch, None
+    epoch, ds, trained = start_epoch, None, False
+    tag = f"[{args.blocks_mode}] " if args.blocks_mode != "off" else ""
 
     def global_tokens() -> int:
         """Real tokens trained on by all ranks, this run and the runs it resumes."""
@@ -708,7 +781,8 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
         return int(total)
 
     def save(epoch: int, ds) -> None:
-        rank_payload = {"dataset": ds.state_dict(), "epoch": epoch, "opt_step": opt_step}
+        rank_payload = {"dataset": ds.state_dict() if ds is not None else None, "epoch": epoch,
+                        "opt_step": opt_step}
         seen = global_tokens()
         path = save_checkpoint(args.ckpt_dir, rank, world_size, rank_payload, lambda: {
             "model": raw_model.state_dict(),
@@ -721,11 +795,12 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
             print(f"  saved {path}")
 
     done = bool(args.steps) and opt_step >= args.steps
-    batches = () if done else train_batches(args, table, tok, rank, world_size, device,
-                                             num_splits, plan, start_epoch, loader_state)
+    batches = () if done else train_batches(args, data, rank, world_size, device, num_splits,
+                                             start_epoch, loader_state)
     trace = SampleTrace(args.trace_samples, rank) if args.trace_samples else None
     micro = 0
     for epoch, ds, batch in batches:
+        trained = True
         if trace:
             trace.add(batch["input_ids"])
         is_sync = (micro + 1) % args.grad_accum == 0
@@ -757,11 +832,12 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
             dt = time.perf_counter() - t_last
             tps = (opt_step - step_last) * global_batch * args.grad_accum * args.seq_len / dt
             mfu = f"{fpt * tps / (world_size * peak):.1%}" if peak else "n/a"
-            q = f"{ds.unscanned_rows}/{ds.raw_queue_depth}/{ds.prefetch_queue_depth}/{ds.consumed_rows}"
+            loader = "" if ds is None else (
+                f" | q {ds.unscanned_rows}/{ds.raw_queue_depth}/{ds.prefetch_queue_depth}/"
+                f"{ds.consumed_rows} | fetch {ds.fetch_time:.1f}s tx {ds.transform_time:.1f}s")
             print(
-                f"epoch {epoch} step {opt_step}/{total_steps} | "
-                f"loss {loss.item():.4f} | {tps:,.0f} tok/s | mfu {mfu} | "
-                f"q {q} | fetch {ds.fetch_time:.1f}s tx {ds.transform_time:.1f}s",
+                f"{tag}epoch {epoch} step {opt_step}/{total_steps} | "
+                f"loss {loss.item():.4f} | {tps:,.0f} tok/s | mfu {mfu}{loader}",
                 flush=True,
             )
             t_last, step_last = time.perf_counter(), opt_step
@@ -770,22 +846,22 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
             save(epoch, ds)
             last_saved = opt_step
         if args.eval_every and opt_step % args.eval_every == 0:
-            val = evaluate(model, args, table, rank, world_size, device, tok)
+            val = evaluate(model, args, data.table, rank, world_size, device, tok)
             if is_main:
-                print(f"  val loss @ step {opt_step}: {format_val(val)}", flush=True)
+                print(f"  val loss @ step {opt_step}: {format_val(val, args)}", flush=True)
         if args.steps and opt_step >= args.steps:
             break
     if isinstance(batches, Generator):
         batches.close()  # stops loader workers now, not at interpreter exit
-    if ds is not None and opt_step != last_saved:  # the end of the run is always resumable
+    if trained and opt_step != last_saved:  # the end of the run is always resumable
         save(epoch, ds)
 
-    val = evaluate(model, args, table, rank, world_size, device, tok)
+    val = evaluate(model, args, data.table, rank, world_size, device, tok)
     seen = global_tokens()
     if is_main:
         print(
-            f"final: opt_step={opt_step} tokens_seen={seen:,} "
-            f"val_loss={format_val(val)}",
+            f"{tag}final: opt_step={opt_step} tokens_seen={seen:,} "
+            f"val_loss={format_val(val, args)}",
             flush=True,
         )
 

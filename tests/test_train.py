@@ -68,8 +68,8 @@ def test_pad_positions_contribute_nothing_to_the_loss(tmp_path):
     tbl = lancedb.connect(str(tmp_path)).create_table("corpus", table)
     # 2 splits of 2 docs each, 3 blocks per split of 32 tokens: the splits run dry -> pads
     args = loader_args(str(tmp_path), seq_len=32, min_score=1.0, pack=True)
-    ds = train.make_dataset(args, tbl, 0, 1, split_filter=TRAIN_FILTER, epoch=0, shuffle=True,
-                            tok=tok, num_splits=2, packed=True, blocks_per_epoch=6)
+    ds = train.make_dataset(args, tbl, 0, 1, epoch=0, shuffle=True, num_splits=2,
+                            **train.corpus_source(args, tok, TRAIN_FILTER, packed=True, blocks_per_epoch=6))
     batch = next(iter(torch.utils.data.DataLoader(ds, batch_size=6)))
     input_ids = batch["input_ids"]
     is_pad = input_ids == tok.pad_token_id
