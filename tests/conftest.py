@@ -1,6 +1,7 @@
 """Shared fixtures: the README smoke run (which also builds the demo corpus) and a runner for train.py."""
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -54,6 +55,31 @@ def demo_db(smoke_run):
     proc, cwd = smoke_run
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return str(cwd / "data" / "lancedb")
+
+
+# Blocks for the A/B harness, built once from the demo corpus: 64-token blocks, several
+# Parquet files, and row groups that do not divide them.
+BLOCKS_SEQ_LEN = 64
+
+
+@pytest.fixture(scope="session")
+def blocks_dir(demo_db, tmp_path_factory):
+    """OUT of build_packed_datasets.py (all four formats) over the demo corpus."""
+    import build_packed_datasets
+
+    out = tmp_path_factory.mktemp("blocks")
+    build_packed_datasets.build(demo_db, "corpus", str(out), seq_len=BLOCKS_SEQ_LEN,
+                                blocks_per_file=10_000, seq_row_group_blocks=300)
+    return out
+
+
+def read_trace(trace_dir):
+    """rank -> its --trace-samples records in file order (a line cut short by a kill is dropped)."""
+    traces = {}
+    for f in sorted(Path(trace_dir).glob("rank*.jsonl")):
+        lines = f.read_text().split("\n")[:-1]  # only newline-terminated lines
+        traces[int(f.stem[len("rank"):])] = [json.loads(line) for line in lines]
+    return traces
 
 
 # ── Processes: train.py under torchrun, and killing whole process trees ──────────────

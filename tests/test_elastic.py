@@ -8,7 +8,6 @@ changed settings is refused without touching anything.
 import collections
 import functools
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -22,8 +21,8 @@ import numpy as np
 import pytest
 
 from common import TRAIN_FILTER, load_tokenizer
-from conftest import (assert_user_error, kill_tree, pids_mentioning, process_tree, run_train,
-                      run_trains, session_pids, start_train, wait_gone)
+from conftest import (assert_user_error, kill_tree, pids_mentioning, process_tree, read_trace,
+                      run_train, run_trains, session_pids, start_train, wait_gone)
 
 STEPS, HALF = 20, 10
 GLOBAL_BATCH, GRAD_ACCUM = 8, 2  # samples per optimizer step: GLOBAL_BATCH x GRAD_ACCUM
@@ -61,15 +60,6 @@ def resumed_from(stdout):
     found = RESUMED.findall(stdout)
     assert len(found) == 1, stdout
     return found[0]
-
-
-def read_trace(trace_dir):
-    """rank -> its trace records in file order (a line cut short by a kill is dropped)."""
-    traces = {}
-    for f in sorted(Path(trace_dir).glob("rank*.jsonl")):
-        lines = f.read_text().split("\n")[:-1]  # only newline-terminated lines
-        traces[int(f.stem[len("rank"):])] = [json.loads(line) for line in lines]
-    return traces
 
 
 def steps_by_rank(traces):

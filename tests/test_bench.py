@@ -1,0 +1,60 @@
+"""bench/: the loader benchmark end to end on a small corpus (no timing asserted), and the stdlib corpus."""
+
+import itertools
+import json
+from collections import Counter
+
+import pytest
+
+import build_packed_datasets
+import prepare_data
+from conftest import assert_user_error, run_script
+
+MODES = {"lance-docs", "lance", "mosaic", "parquet-random", "parquet-seq"}
+
+
+@pytest.fixture(scope="module")
+def blocks(tmp_path_factory):
+    """A quarter of the demo corpus (the whole one makes every check epoch 4x longer)
+    and its 128-token blocks in all four formats."""
+    root = tmp_path_factory.mktemp("bench")
+    db = str(root / "db")
+    docs = ((text, None) for text in itertools.islice(prepare_data.stdlib_docstrings(), 2000))
+    prepare_data.write_corpus(docs, db, "corpus", "byte", val_fraction=0.02, min_chars=50,
+                              mode="create", batch_size=1000, skipped=Counter())
+    build_packed_datasets.build(db, "corpus", str(root / "blocks"), seq_len=128)
+    return root, db
+
+
+def test_loaders_quick_measures_and_checks_all_five_paths(blocks, tmp_path):
+    root, db = blocks
+    out = tmp_path / "x.json"
+    proc = run_script("bench/loaders.py", "--blocks", root / "blocks", "--db", db, "--table", "corpus",
+                      "--quick", "--workers", "1", "--out", out, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert {"machine", "settings", "results"} <= data.keys()
+    assert data["machine"]["logical_cores"] >= 1 and data["settings"]["batch_size"] == 32
+    assert {r["mode"] for r in data["results"]} == MODES
+    for r in data["results"]:
+        assert r["tokens_per_s"] > 0 and r["runs"], r["mode"]
+        assert r["check"]["ok"] is True, (r["mode"], r["check"])
+        assert f"check {r['mode']}: ok" in proc.stdout
+    assert (tmp_path / "x.png").stat().st_size > 0
+    assert "lance / mosaic:" in proc.stdout
+
+
+def test_loaders_without_blocks_is_a_one_line_error(tmp_path):
+    proc = run_script("bench/loaders.py", "--blocks", tmp_path / "nowhere", "--out", tmp_path / "x.json",
+                      cwd=tmp_path)
+    assert_user_error(proc, "no blocks at")
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_stdlib_corpus_writes_one_scored_line_per_source_file(tmp_path):
+    out = tmp_path / "stdlib.jsonl"
+    proc = run_script("bench/stdlib_corpus.py", out, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(lines) > 100 and all(d["score"] == 2.0 and isinstance(d["text"], str) for d in lines)
+    assert any("def " in d["text"] for d in lines)
