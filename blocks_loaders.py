@@ -29,6 +29,9 @@ from torch.utils.data import IterableDataset, get_worker_info
 from common import UserError, is_remote
 
 FORMATS = ("lance", "mds", "parquet-random", "parquet-seq")
+# train.py --blocks-mode -> the OUT/<format> directory it reads
+MODE_FORMAT = {"lance": "lance", "mosaic": "mds", "parquet-random": "parquet-random",
+               "parquet-seq": "parquet-seq"}
 MANIFEST = "manifest.json"
 MANIFEST_KEYS = ("format", "num_blocks", "seq_len", "dtype", "tokenizer", "vocab_size",
                  "eos_id", "pad_id", "seed", "source", "content_hash", "multiset_hash")
@@ -265,12 +268,12 @@ def mosaic_blocks(path: str, *, batch_size: int, seed: int):
     else. It reads rank and world size from torchrun's environment, and keeps
     its sample order fixed across topologies through num_canonical_nodes=8. A
     remote path is cached once per node under ~/mosaic_cache. Shared memory that
-    a killed run left behind (`FileExistsError`) is cleared and the open retried.
+    a killed run left behind (`FileExistsError`) is reported, not cleared: Mosaic's
+    cleaner would also unlink the shared memory of live runs on this machine.
     """
     import hashlib
 
     from streaming import StreamingDataset
-    from streaming.base.util import clean_stale_shared_memory
 
     read_manifest(path, "mds")
     kwargs = dict(batch_size=batch_size, shuffle=True, shuffle_seed=seed, num_canonical_nodes=8)
@@ -281,9 +284,10 @@ def mosaic_blocks(path: str, *, batch_size: int, seed: int):
         kwargs.update(local=path)
     try:
         return StreamingDataset(**kwargs)
-    except FileExistsError:
-        clean_stale_shared_memory()
-        return StreamingDataset(**kwargs)
+    except FileExistsError as e:
+        raise UserError(f"MosaicML shared memory of an earlier run is in the way ({e.filename}); if no "
+                        f"other Mosaic run is live on this machine, clear it with `python -c 'from "
+                        f"streaming.base.util import clean_stale_shared_memory as c; c()'`") from None
 
 
 class BlocksEpochs:
@@ -301,7 +305,7 @@ class BlocksEpochs:
             raise ValueError(f"BlocksEpochs serves {', '.join(DEFAULT_WORKERS)}, not {mode!r}")
         self.mode = mode
         self.num_workers = num_workers or min(DEFAULT_WORKERS[mode], os.cpu_count() or 1)
-        self.manifest = read_manifest(path, "mds" if mode == "mosaic" else mode)
+        self.manifest = read_manifest(path, MODE_FORMAT[mode])
         loader_kwargs = dict(batch_size=batch_size, num_workers=self.num_workers,
                              multiprocessing_context=mp_context, pin_memory=pin_memory,
                              prefetch_factor=4)

@@ -37,6 +37,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
+import blocks_loaders
+from blocks_loaders import MODE_FORMAT
 from common import (
     DEFAULT_DB,
     DEFAULT_TABLE,
@@ -216,9 +218,9 @@ def check_args(args, world_size: int) -> int:
             raise UserError(f"{flag} must not be negative (got {value})")
     if args.blocks_mode != "off":
         if not args.blocks_path:
-            fmt = "mds" if args.blocks_mode == "mosaic" else args.blocks_mode
-            raise UserError(f"--blocks-mode {args.blocks_mode} needs --blocks-path: the OUT/{fmt} "
-                            f"directory that build_packed_datasets.py wrote")
+            raise UserError(f"--blocks-mode {args.blocks_mode} needs --blocks-path: the "
+                            f"OUT/{MODE_FORMAT[args.blocks_mode]} directory that "
+                            f"build_packed_datasets.py wrote")
         if args.pack:
             raise UserError("--pack packs the corpus table in the loader and --blocks-mode trains on "
                             "blocks packed already: pass one of them")
@@ -515,10 +517,7 @@ def open_training_data(args, tok, rank: int, world_size: int, device, num_splits
         return TrainingData(plan, "corpus", table, dataset=lambda epoch: make_dataset(
             args, table, rank, world_size, epoch=epoch, shuffle=True, num_splits=num_splits, **source))
 
-    import blocks_loaders
-
-    fmt = "mds" if args.blocks_mode == "mosaic" else args.blocks_mode
-    manifest = blocks_loaders.read_manifest(args.blocks_path, fmt)
+    manifest = blocks_loaders.read_manifest(args.blocks_path, MODE_FORMAT[args.blocks_mode])
     check_blocks_manifest(args, tok, manifest)
     identity = f"blocks:{manifest['content_hash'][:16]}"
     num_blocks = manifest["num_blocks"]
@@ -882,6 +881,11 @@ def make_optimizer(model, args, device: torch.device) -> torch.optim.Optimizer:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.mp_context == "forkserver":
+        # Loader workers fork from a server that has torch and the project imported
+        # (Python <3.12 never preloads __main__): ~0.2 s per worker instead of ~5 s,
+        # paid again every epoch. Nothing there has started lancedb's runtime.
+        mp.set_forkserver_preload(["torch", "blocks_loaders", "train"])
     if args.num_workers:
         # Before any StreamingDataset exists: its shared-memory stats are
         # created in the *default* mp context, so make that the same

@@ -1,43 +1,72 @@
-"""Write every Python standard-library source file as one JSONL document: a bigger
-offline corpus than `prepare_data.py --demo` (its docstrings only).
+"""Offline corpora for the loader benchmark, bigger than `prepare_data.py --demo`.
 
 Usage:
-    python bench/stdlib_corpus.py OUT.jsonl
-    python prepare_data.py OUT.jsonl --db DIR --table stdlib --score-field score
+    python bench/stdlib_corpus.py OUT.jsonl                # one document per stdlib source file
+    python bench/stdlib_corpus.py OUT.jsonl --docstrings   # every docstring of the stdlib and
+                                                           # site-packages, tests included
+    python prepare_data.py OUT.jsonl --db DIR --table NAME --score-field score
+
+Source files are long documents (~16K bytes each); docstrings are short ones (~440
+bytes, like web pages in GPT-2 tokens), which is what in-loader packing is most
+sensitive to. Paths are walked in sorted order, so a given installation always gives
+the same corpus; site-packages makes it depend on what is installed.
 """
 
+import argparse
+import ast
+import inspect
 import json
 import os
 import sys
 import sysconfig
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from prepare_data import DEMO_SKIP_DIRS  # noqa: E402  (the demo's skip list: no site-packages, no tests)
+from prepare_data import DEMO_SKIP_DIRS, DOCUMENTED_NODES  # noqa: E402
 
 
-def stdlib_sources() -> list[str]:
-    """The stdlib's .py files in sorted path order, so the corpus is the same on every run."""
+def python_files(roots: list[str], skip: set[str]) -> list[str]:
+    """The .py files under `roots` in sorted path order, skipping directories named in `skip`."""
     paths = []
-    for root, dirs, files in os.walk(sysconfig.get_paths()["stdlib"]):
-        dirs[:] = [d for d in dirs if d not in DEMO_SKIP_DIRS]
-        paths += [os.path.join(root, name) for name in files if name.endswith(".py")]
-    return sorted(paths)
+    for top in roots:
+        for root, dirs, files in os.walk(top):
+            dirs[:] = sorted(d for d in dirs if d not in skip)
+            paths += [os.path.join(root, name) for name in sorted(files) if name.endswith(".py")]
+    return paths
+
+
+def docstrings(path: str):
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read())
+    except (SyntaxError, ValueError, OSError):
+        return
+    for node in ast.walk(tree):
+        doc = isinstance(node, DOCUMENTED_NODES) and ast.get_docstring(node, clean=False)
+        if doc:
+            yield inspect.cleandoc(doc)
 
 
 def main(argv=None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("error: usage: python bench/stdlib_corpus.py OUT.jsonl", file=sys.stderr)
-        sys.exit(2)
-    out, paths = argv[0], stdlib_sources()
-    tmp = f"{out}.tmp{os.getpid()}"  # temp + rename: OUT is complete or absent
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out", metavar="OUT.jsonl")
+    p.add_argument("--docstrings", action="store_true",
+                   help="docstrings of the stdlib and site-packages instead of whole stdlib files")
+    args = p.parse_args(argv)
+    paths = sysconfig.get_paths()
+    if args.docstrings:
+        files = python_files([paths["stdlib"], paths["purelib"]], {"__pycache__"})
+        texts = (doc for path in files for doc in docstrings(path))
+    else:
+        files = python_files([paths["stdlib"]], DEMO_SKIP_DIRS)
+        texts = (open(path, "rb").read().decode("utf-8", errors="replace") for path in files)
+    tmp = f"{args.out}.tmp{os.getpid()}"  # temp + rename: OUT is complete or absent
+    count = 0
     with open(tmp, "w") as f:
-        for path in paths:
-            with open(path, "rb") as src:
-                text = src.read().decode("utf-8", errors="replace")
+        for text in texts:
             f.write(json.dumps({"text": text, "score": 2.0}) + "\n")
-    os.replace(tmp, out)
-    print(f"wrote {len(paths):,} stdlib source files to {out}")
+            count += 1
+    os.replace(tmp, args.out)
+    print(f"wrote {count:,} documents from {len(files):,} files to {args.out}")
 
 
 if __name__ == "__main__":

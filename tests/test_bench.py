@@ -15,11 +15,11 @@ MODES = {"lance-docs", "lance", "mosaic", "parquet-random", "parquet-seq"}
 
 @pytest.fixture(scope="module")
 def blocks(tmp_path_factory):
-    """A quarter of the demo corpus (the whole one makes every check epoch 4x longer)
+    """An eighth of the demo corpus (the whole one makes every check epoch 8x longer)
     and its 128-token blocks in all four formats."""
     root = tmp_path_factory.mktemp("bench")
     db = str(root / "db")
-    docs = ((text, None) for text in itertools.islice(prepare_data.stdlib_docstrings(), 2000))
+    docs = ((text, None) for text in itertools.islice(prepare_data.stdlib_docstrings(), 1000))
     prepare_data.write_corpus(docs, db, "corpus", "byte", val_fraction=0.02, min_chars=50,
                               mode="create", batch_size=1000, skipped=Counter())
     build_packed_datasets.build(db, "corpus", str(root / "blocks"), seq_len=128)

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 import train
-from blocks_loaders import read_manifest
+from blocks_loaders import MODE_FORMAT, read_manifest
 from common import block_hashes
 from conftest import BLOCKS_SEQ_LEN, read_trace, run_trains
 
-MODES = {"lance": "lance", "mosaic": "mds", "parquet-random": "parquet-random",
-         "parquet-seq": "parquet-seq"}
+MODES = MODE_FORMAT
 STEPS = 6
+TOPOLOGIES = [(mode, 1) for mode in MODES] + [(mode, 2) for mode in MODES if mode != "parquet-seq"]
 FAST = ["--model", "tiny", "--seq-len", str(BLOCKS_SEQ_LEN), "--log-every", "2", "--warmup-steps", "2",
         "--steps", str(STEPS)]
 
@@ -44,10 +44,11 @@ def blocks_flags(blocks_dir, mode, nproc, tmp, name):
 
 @pytest.fixture(scope="module")
 def blocks_runs(blocks_dir, tmp_path_factory):
-    """Each mode for STEPS steps on 1 rank and on 2 ranks (global batch 8), side by side."""
+    """Each mode for STEPS steps on 1 rank, and on 2 ranks (global batch 8) all but
+    parquet-seq, whose rank split test_blocks_loaders covers; side by side."""
     tmp = tmp_path_factory.mktemp("blocks-train")
     jobs = {(mode, nproc): (nproc, blocks_flags(blocks_dir, mode, nproc, tmp, f"{mode}-{nproc}"))
-            for mode in MODES for nproc in (1, 2)}
+            for mode, nproc in TOPOLOGIES}
     procs = {}
     for nproc in (1, 2):  # one world size at a time: eight runs at once overload two cores
         batch = {key: job for key, job in jobs.items() if key[1] == nproc}
@@ -55,8 +56,7 @@ def blocks_runs(blocks_dir, tmp_path_factory):
     return tmp, procs
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("mode,nproc", TOPOLOGIES)
 def test_every_blocks_mode_trains_on_the_built_blocks(blocks_runs, blocks_dir, mode, nproc):
     tmp, procs = blocks_runs
     proc = procs[mode, nproc]
