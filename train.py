@@ -905,10 +905,11 @@ def main(argv=None) -> None:
         sys.exit(2)
     if world_size > 1:
         dist.destroy_process_group()
-    if args.num_workers:
-        # Worker-process teardown can hang at interpreter exit (mixed Rust
-        # runtime + torch + forkserver finalizers); everything is flushed and
-        # checkpointed by now, so leave without running finalizers.
+    if world_size > 1 or args.num_workers or args.blocks_mode in ("mosaic", "parquet-random", "parquet-seq"):
+        # Teardown at interpreter exit can hang, or abort ("terminate called without
+        # an active exception"), when loader threads and workers, lancedb's runtime
+        # and the process group finalize in arbitrary order; everything is flushed
+        # and checkpointed by now, so leave without running finalizers.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
