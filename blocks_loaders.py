@@ -238,6 +238,7 @@ class ParquetSeqBlocks(_ParquetBlocks):
 # (capped at the machine's cores): random reads hide their latency behind many
 # concurrent readers, sequential ones need few.
 DEFAULT_WORKERS = {"mosaic": 8, "parquet-random": 8, "parquet-seq": 2}
+BASELINE_MODES = tuple(DEFAULT_WORKERS)  # the --blocks-mode values BlocksEpochs serves
 
 
 def open_lance_blocks(path: str):
@@ -301,8 +302,8 @@ class BlocksEpochs:
                  seed: int, num_workers: int, mp_context: str, pin_memory: bool = False):
         from torch.utils.data import DataLoader
 
-        if mode not in DEFAULT_WORKERS:
-            raise ValueError(f"BlocksEpochs serves {', '.join(DEFAULT_WORKERS)}, not {mode!r}")
+        if mode not in BASELINE_MODES:
+            raise ValueError(f"BlocksEpochs serves {', '.join(BASELINE_MODES)}, not {mode!r}")
         self.mode = mode
         self.num_workers = num_workers or min(DEFAULT_WORKERS[mode], os.cpu_count() or 1)
         self.manifest = read_manifest(path, MODE_FORMAT[mode])

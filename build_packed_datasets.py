@@ -57,6 +57,7 @@ from common import (
     UserError,
     block_hashes,
     connect_table,
+    corpus_filter,
     is_remote,
     load_tokenizer,
     packed_token_count,
@@ -97,11 +98,9 @@ class ParquetBlocksWriter:
         self.writer = None
         self.in_file = 0
         self.pending: list[np.ndarray] = []
-        self.pending_blocks = 0
 
     def write(self, chunk: np.ndarray) -> None:
         self.pending.append(chunk)
-        self.pending_blocks += len(chunk)
         self._drain(final=False)
 
     def close(self) -> list[dict]:
@@ -131,7 +130,6 @@ class ParquetBlocksWriter:
             self.files[-1]["num_blocks"] += take
             start += take
         self.pending = [blocks[start:]] if start < len(blocks) else []
-        self.pending_blocks = len(blocks) - start
 
     def _next_file(self) -> None:
         if self.writer is not None:
@@ -235,7 +233,7 @@ def build(db: str, table: str, out: str, *, formats=FORMATS, seq_len: int = 1024
                 raise UserError(f"{os.path.join(out, fmt)} already exists; pass --overwrite to replace it")
     tok = load_tokenizer(tokenizer_spec)
     tbl = connect_table(db, table)
-    where = f"NOT is_dup AND score >= {min_score} AND ({TRAIN_FILTER})"
+    where = corpus_filter(min_score, TRAIN_FILTER)
     docs, tokens = packed_token_count(tbl, where)
     num_blocks = tokens // seq_len
     if num_blocks == 0:
@@ -245,14 +243,15 @@ def build(db: str, table: str, out: str, *, formats=FORMATS, seq_len: int = 1024
     start = time.perf_counter()
     schema = blocks_schema(seq_len)
     staged = {fmt: staging_dir(out, fmt) for fmt in formats}
+    row_group_blocks = {"parquet-random": random_row_group_blocks, "parquet-seq": seq_row_group_blocks}
     try:
         writers = {}
         for fmt in formats:
             if fmt == "mds":
                 writers[fmt] = MDSBlocksWriter(staged[fmt], seq_len)
-            elif fmt.startswith("parquet"):
-                rgb = random_row_group_blocks if fmt == "parquet-random" else seq_row_group_blocks
-                writers[fmt] = ParquetBlocksWriter(staged[fmt], schema, blocks_per_file, rgb)
+            elif fmt in row_group_blocks:
+                writers[fmt] = ParquetBlocksWriter(staged[fmt], schema, blocks_per_file,
+                                                   row_group_blocks[fmt])
         content, multiset = hashlib.blake2b(digest_size=32), MultisetDigest()
 
         def chunks():
@@ -295,10 +294,8 @@ def build(db: str, table: str, out: str, *, formats=FORMATS, seq_len: int = 1024
         manifests = {}
         for fmt in formats:
             manifest = {"format": fmt, **common}
-            if fmt.startswith("parquet"):
-                manifest["row_group_blocks"] = (random_row_group_blocks if fmt == "parquet-random"
-                                                else seq_row_group_blocks)
-                manifest["files"] = extras[fmt]
+            if fmt in row_group_blocks:
+                manifest.update(row_group_blocks=row_group_blocks[fmt], files=extras[fmt])
             publish(out, fmt, staged[fmt], manifest, overwrite)
             manifests[fmt] = manifest
     finally:

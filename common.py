@@ -113,6 +113,11 @@ class MultisetDigest:
         return f"{self.total:016x}"
 
 
+def corpus_filter(min_score: float, split_filter: str) -> str:
+    """The SQL that picks training (or validation) documents: not duplicates, good enough."""
+    return f"NOT is_dup AND score >= {min_score} AND ({split_filter})"
+
+
 def write_stream(write: Callable, schema: pa.Schema, batches) -> None:
     """Call `write(reader)` (a lance create_table / add) on a stream of record batches.
 

@@ -47,6 +47,7 @@ from common import (
     UserError,
     block_hashes,
     connect_table,
+    corpus_filter,
     load_tokenizer,
     packed_token_count,
 )
@@ -231,8 +232,8 @@ def check_args(args, world_size: int) -> int:
     num_splits = args.num_splits or global_batch
     if num_splits % world_size:
         raise UserError(f"num_splits ({num_splits}) must be divisible by the world size ({world_size})")
-    streams = args.blocks_mode in ("off", "lance")  # the others use plain DataLoader workers
-    if streams and args.num_workers and num_splits % (world_size * args.num_workers):
+    baseline = args.blocks_mode in blocks_loaders.BASELINE_MODES  # plain DataLoader workers
+    if not baseline and args.num_workers and num_splits % (world_size * args.num_workers):
         raise UserError(
             f"num_splits ({num_splits}) must be divisible by world_size x "
             f"num_workers ({world_size} x {args.num_workers})"
@@ -283,7 +284,7 @@ def rows_to_samples(batch: pa.RecordBatch, seq_len: int, pad_id: int) -> list[di
 
 
 def data_filter(args, split_filter: str) -> str:
-    return f"NOT is_dup AND score >= {args.min_score} AND ({split_filter})"
+    return corpus_filter(args.min_score, split_filter)
 
 
 def make_dataset(args, table, rank: int, world_size: int, *, epoch: int, shuffle: bool,
@@ -905,7 +906,7 @@ def main(argv=None) -> None:
         sys.exit(2)
     if world_size > 1:
         dist.destroy_process_group()
-    if world_size > 1 or args.num_workers or args.blocks_mode in ("mosaic", "parquet-random", "parquet-seq"):
+    if world_size > 1 or args.num_workers or args.blocks_mode in blocks_loaders.BASELINE_MODES:
         # Teardown at interpreter exit can hang, or abort ("terminate called without
         # an active exception"), when loader threads and workers, lancedb's runtime
         # and the process group finalize in arbitrary order; everything is flushed
