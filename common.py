@@ -239,3 +239,57 @@ def load_tokenizer(spec: str) -> Tokenizer:
     if spec.startswith("hf:") and len(spec) > 3:
         return _hf_tokenizer(spec[3:])
     raise UserError(f"unknown tokenizer {spec!r}: use 'byte' or 'hf:<name-or-local-dir>'")
+
+
+# The schema metadata prepare_data stores on a corpus table: which tokenizer made its ids.
+TOKENIZER_KEYS = ("tokenizer", "vocab_size", "eos_id", "pad_id")
+
+
+def tokenizer_metadata(tok: Tokenizer) -> dict[str, str]:
+    """Arrow schema metadata (strings only) recording the tokenizer that made a table."""
+    return {"tokenizer": tok.spec, "vocab_size": str(tok.vocab_size),
+            "eos_id": str(tok.eos_token_id), "pad_id": str(tok.pad_token_id)}
+
+
+def table_tokenizer(table) -> dict | None:
+    """The tokenizer recorded on `table` by prepare_data, or None when it records none
+    (tables made by other tools): {"tokenizer": spec, "vocab_size", "eos_id", "pad_id"}."""
+    meta = table.schema.metadata or {}
+    raw = {key: meta.get(key.encode()) for key in TOKENIZER_KEYS}
+    if raw["tokenizer"] is None:
+        return None
+    try:
+        return {"tokenizer": raw["tokenizer"].decode(),
+                **{key: int(raw[key]) for key in TOKENIZER_KEYS[1:]}}
+    except (TypeError, ValueError, UnicodeDecodeError):
+        shown = {k: v.decode(errors="replace") if v is not None else None for k, v in raw.items()}
+        raise UserError(f"the table's tokenizer metadata is incomplete or malformed ({shown}); "
+                        f"rebuild it with prepare_data.py --mode overwrite") from None
+
+
+def check_table_tokenizer(table, tok: Tokenizer, where: str) -> None:
+    """Refuse `tok` when `table` was tokenized with different ids: its token ids would not
+    fit the embedding (or EOS / PAD would mean other tokens).
+
+    Only vocab_size, eos_id and pad_id are compared, so the same tokenizer loaded from
+    another path passes; a table that records no tokenizer passes unchecked.
+    `where` names the table in the message, e.g. "the table 'corpus' in 'data/lancedb'".
+    """
+    recorded = table_tokenizer(table)
+    if recorded is None:
+        return
+    ours = {"vocab_size": tok.vocab_size, "eos_id": tok.eos_token_id, "pad_id": tok.pad_token_id}
+    if all(recorded[key] == ours[key] for key in ours):
+        return
+    shown = ["vocab_size"]  # and, when that agrees, the special ids that do not
+    if recorded["vocab_size"] == ours["vocab_size"]:
+        shown += [key for key in ("eos_id", "pad_id") if recorded[key] != ours[key]]
+
+    def describe(ids: dict) -> str:
+        return ", ".join(f"{key.split('_')[0]} {ids[key]}" for key in shown)
+
+    raise UserError(
+        f"{where} was tokenized with {recorded['tokenizer']!r} ({describe(recorded)}); "
+        f"this run's --tokenizer {tok.spec!r} has {describe(ours)}: "
+        f"pass --tokenizer {recorded['tokenizer']}"
+    )

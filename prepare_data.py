@@ -9,18 +9,27 @@ Usage:
 Inputs: a `.txt` file is one document; `.jsonl` / `.jsonl.gz` hold one JSON object per
 line, text under --text-field; `.parquet` has a --text-field column, read in record
 batches. Directories are walked recursively, files taken in sorted path order.
-Skipped and counted, never fatal: other file types inside a directory (`other_type`),
-documents shorter than --min-chars once stripped (`short`), jsonl lines that are not
-JSON objects (`bad_json`), lines or rows whose text is missing, null or not a string
-(`no_text`). Fatal (exit 2, table untouched): a missing or unreadable input, a named file
-of another type, inputs with no document, and with --score-field a document whose score
-is missing or not a number.
+
+Skipped and counted in the summary line, never fatal: other file types inside a
+directory (`other_type`), documents shorter than --min-chars once stripped (`short`),
+jsonl lines that are not JSON objects (`bad_json`), lines or rows whose text is missing,
+null or not a string (`no_text`), jsonl text that is not valid Unicode (`bad_text`).
+Fatal (one `error:` line, exit 2, nothing written): a missing, unreadable or corrupt
+input, a named file of another type, directories with no input file, inputs with no
+document left (every line skipped counts), with --score-field a document whose score is
+missing or not a number, --mode create on an existing table, a --db that is a file, and
+--mode append onto a table made with another tokenizer.
 
 Each document gets a sequential `id` (after the table's max id on append), `input_ids`
 (no EOS), a `score` (--score-field, else `quality_score`), `is_dup` (normalized text seen
 before, across appends too; the first copy is kept) and a `split` drawn from the hash of
 the normalized text, so re-runs agree. The whole run is one commit of a stream of
-record batches: a failed or killed run leaves no partial table.
+record batches: a failed or killed run leaves no partial table, and a failed run removes
+the table or db directory it had started to create.
+
+Creating or overwriting a table records the tokenizer in its schema metadata
+(`tokenizer`, `vocab_size`, `eos_id`, `pad_id`; see common.table_tokenizer), so a run with
+another tokenizer is refused instead of crashing in the embedding.
 
 --demo builds the corpus train.py falls back to: the Python standard library's
 docstrings, parsed with `ast` from its sources (nothing imported or downloaded).
@@ -37,6 +46,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import sys
 import sysconfig
 import time
@@ -49,8 +59,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from common import (CORPUS_SCHEMA, DEFAULT_DB, DEFAULT_TABLE, UserError, is_remote, load_tokenizer,
-                    write_stream)
+from common import (CORPUS_SCHEMA, DEFAULT_DB, DEFAULT_TABLE, UserError, check_table_tokenizer,
+                    is_remote, load_tokenizer, tokenizer_metadata, write_stream)
 
 DEFAULT_VAL_FRACTION = 0.02
 DEFAULT_MIN_CHARS = 50  # under ~8 words there is hardly a sentence to learn from
@@ -66,6 +76,7 @@ Docs = Iterable[tuple[str, "float | None"]]  # (text, score from --score-field o
 # ----------------------------------------------------------------------------- quality
 
 _HAS_LETTER = re.compile(r"[^\W\d_]")
+_SURROGATE = re.compile("[\ud800-\udfff]")  # what JSON "\ud800" escapes decode to
 _BULLET_OR_ELLIPSIS = re.compile(r"^\s*[-*\u2022\u2023\u25e6]\s|(\.\.\.|\u2026)\s*$")
 
 # (signal, limit, is_lower_bound): the range ordinary prose sits in (Gopher / C4 rules).
@@ -128,12 +139,18 @@ def input_type(path: str) -> str | None:
     return next((t for t in INPUT_TYPES if path.lower().endswith(t)), None)
 
 
+def _unreadable_directory(e: OSError):
+    """os.walk would skip an unreadable directory silently: refuse it instead."""
+    raise UserError(f"cannot read directory {e.filename}: {e.strerror}")
+
+
 def resolve_inputs(inputs: list[str], skipped: Counter) -> list[str]:
     """Expand directories (recursive, sorted paths) into files; refuse what cannot be read."""
     paths = []
     for inp in inputs:
         if os.path.isdir(inp):
-            files = (os.path.join(root, name) for root, _, names in os.walk(inp) for name in names)
+            walk = os.walk(inp, onerror=_unreadable_directory)
+            files = (os.path.join(root, name) for root, _, names in walk for name in names)
             for path in sorted(files):
                 if input_type(path):
                     paths.append(path)
@@ -145,6 +162,9 @@ def resolve_inputs(inputs: list[str], skipped: Counter) -> list[str]:
             raise UserError(f"input {inp!r} is not a known type ({', '.join(INPUT_TYPES)})")
         else:
             paths.append(inp)
+    if not paths:  # only (empty) directories were named
+        raise UserError(f"no {' / '.join(INPUT_TYPES)} file in {', '.join(map(repr, inputs))} "
+                        f"(skipped: {format_skipped(skipped)})")
     return paths
 
 
@@ -167,7 +187,7 @@ def read_txt(path: str, text_field: str, score_field: str | None, skipped: Count
 
 
 def read_jsonl(path: str, text_field: str, score_field: str | None, skipped: Counter):
-    """One JSON object per line; lines without a string text field are counted."""
+    """One JSON object per line; lines without a (valid) string text field are counted."""
     with (gzip.open if path.lower().endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -180,6 +200,8 @@ def read_jsonl(path: str, text_field: str, score_field: str | None, skipped: Cou
                 skipped["bad_json"] += 1
             elif not isinstance(obj.get(text_field), str):
                 skipped["no_text"] += 1
+            elif not obj[text_field].isascii() and _SURROGATE.search(obj[text_field]):
+                skipped["bad_text"] += 1  # a lone surrogate: no tokenizer can encode it
             else:
                 where = f"{path}:{lineno}"
                 yield obj[text_field], score_of(obj.get(score_field), score_field, where)
@@ -318,16 +340,74 @@ def existing_contents(tbl, batch_size: int) -> tuple[set[bytes], int]:
     return seen, max_id + 1
 
 
-def commit(db: str, table: str, existing, mode: str, batches: Iterator[pa.RecordBatch]) -> None:
-    """Write every batch in one commit, so a failure leaves the table as it was."""
+def check_destination(db: str, table: str) -> None:
+    """Refuse a --table name lance rejects and a --db that is, or lies under, a file."""
+    from lancedb.util import validate_table_name
+
+    try:
+        validate_table_name(table)
+    except ValueError as e:
+        raise UserError(f"--table {table!r}: {e}") from None
+    if is_remote(db):
+        return
+    path = os.path.abspath(db)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    if path == os.path.abspath(db) and not os.path.isdir(path):
+        raise UserError(f"--db {db!r} is a file, not a LanceDB directory")
+    if not os.path.isdir(path):
+        raise UserError(f"--db {db!r} cannot be created: {path!r} is a file")
+
+
+def created_by_write(db: str, table: str) -> str | None:
+    """The directory a write into `db`/`table` would create: the topmost missing one of
+    the db path, else the table's own; None when both exist (or the db is remote)."""
+    if is_remote(db):
+        return None
+    path = os.path.abspath(db)
+    if os.path.isdir(path):
+        table_dir = os.path.join(path, f"{table}.lance")
+        return None if os.path.lexists(table_dir) else table_dir
+    while not os.path.exists(os.path.dirname(path)):
+        path = os.path.dirname(path)
+    return path
+
+
+def remove_uncommitted(path: str | None) -> None:
+    """Remove `path` after a failed write, unless some table under it has a committed
+    version (another process created it meanwhile)."""
+    if path is None or not os.path.isdir(path):
+        return
+    if any("_versions" in dirs for _, dirs, _ in os.walk(path)):
+        return
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def commit(db: str, table: str, existing, mode: str, tok,
+           batches: Iterator[pa.RecordBatch]) -> None:
+    """Write every batch in one commit, so a failure leaves the table as it was.
+
+    A created or replaced table records `tok` in its schema metadata; an append keeps
+    the table's own (lance keeps a table's metadata on add). A failed write removes the
+    directories it had created, so no empty db or table directory is left behind.
+    """
     import lancedb
 
-    if existing is not None and mode == "append":
-        write_stream(existing.add, CORPUS_SCHEMA, batches)
-    else:  # a missing table on --mode append is simply created
-        write_stream(lambda reader: lancedb.connect(db).create_table(
-            table, data=reader, schema=CORPUS_SCHEMA,
-            mode="overwrite" if mode == "overwrite" else "create"), CORPUS_SCHEMA, batches)
+    created = created_by_write(db, table)
+    try:
+        if existing is not None and mode == "append":
+            write_stream(existing.add, CORPUS_SCHEMA, batches)
+        else:  # a missing table on --mode append is simply created
+            schema = CORPUS_SCHEMA.with_metadata(tokenizer_metadata(tok))
+            write_stream(lambda reader: lancedb.connect(db).create_table(
+                table, data=reader, schema=schema,
+                mode="overwrite" if mode == "overwrite" else "create"), schema, batches)
+    except OSError as e:  # input errors arrive as UserError: this is the db itself
+        remove_uncommitted(created)
+        raise UserError(f"cannot write table {table!r} in {db!r}: {e}") from None
+    except BaseException:
+        remove_uncommitted(created)
+        raise
 
 
 def write_corpus(docs: Docs, db: str, table: str, tokenizer_spec: str, *, val_fraction: float,
@@ -338,22 +418,30 @@ def write_corpus(docs: Docs, db: str, table: str, tokenizer_spec: str, *, val_fr
     if not 0.0 <= val_fraction < 1.0 or min_chars < 0 or batch_size < 1:
         raise UserError("need 0 <= --val-fraction < 1, --min-chars >= 0 and --batch-size >= 1")
     start = time.perf_counter()
+    check_destination(db, table)
     tok = load_tokenizer(tokenizer_spec)
     existing = open_existing(db, table)
     if existing is not None and mode == "create":
         raise UserError(f"table {table!r} already exists in {db!r}; "
                         f"use --mode append to add to it or --mode overwrite to replace it")
     appending = existing is not None and mode == "append"
+    if appending:
+        check_table_tokenizer(existing, tok, f"the table {table!r} in {db!r}")
     seen, first_id = existing_contents(existing, batch_size) if appending else (set(), 0)
     stats = Counter()
     with tqdm(long_enough(docs, min_chars, skipped), desc=table, unit="doc", file=sys.stderr,
               delay=0.5, mininterval=0.5) as kept:
-        batches = corpus_batches(kept, tok, seen, first_id, val_fraction, batch_size, stats)
-        first = next(batches, None)
-        if first is None:
-            raise UserError(f"the inputs hold no document of at least {min_chars} characters "
-                            f"(skipped: {format_skipped(skipped)})")
-        commit(db, table, existing, mode, itertools.chain([first], batches))
+        try:
+            batches = corpus_batches(kept, tok, seen, first_id, val_fraction, batch_size, stats)
+            first = next(batches, None)
+            if first is None:
+                hint = "; is --text-field right?" if skipped["no_text"] else ""
+                raise UserError(f"the inputs hold no document of at least {min_chars} characters "
+                                f"(skipped: {format_skipped(skipped)}){hint}")
+            commit(db, table, existing, mode, tok, itertools.chain([first], batches))
+        except BaseException:
+            kept.leave = False  # clear the bar: an error is the only line left on stderr
+            raise
     summary = {"db": db, "table": table, "docs": 0, "tokens": 0, "dups": 0, "val": 0, **stats,
                "skipped": dict(skipped), "seconds": round(time.perf_counter() - start, 2)}
     print(f"wrote {summary['docs']} docs ({summary['tokens']} tokens) to {db}/{table} [{mode}]: "
@@ -390,7 +478,8 @@ def build_demo(db: str = DEFAULT_DB, table: str = DEFAULT_TABLE, tokenizer_spec:
 # ----------------------------------------------------------------------------- cli
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    policy = next(part for part in __doc__.split("\n\n") if part.startswith("Skipped"))
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=policy)
     p.add_argument("inputs", nargs="*", metavar="INPUT",
                    help="txt / jsonl / jsonl.gz / parquet files or directories")
     p.add_argument("--demo", action="store_true", help="build the stdlib-docstring demo corpus")

@@ -7,7 +7,8 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from common import CORPUS_SCHEMA, UserError, connect_table, load_tokenizer
+from common import (CORPUS_SCHEMA, Tokenizer, UserError, check_table_tokenizer, connect_table,
+                    load_tokenizer, table_tokenizer)
 
 TEXTS = ["hello world, this is a tokenizer test.", "the quick brown fox jumps over the lazy dog"] * 20
 
@@ -125,3 +126,40 @@ def test_connect_table_wrong_type(tmp_path, column, wrong):
     write_table(tmp_path, schema)
     with pytest.raises(UserError, match=f"column '{column}'"):
         connect_table(str(tmp_path), "corpus")
+
+
+def gpt2_like(spec, vocab_size=50258, eos=50256, pad=50257):
+    """A Tokenizer with the given ids; the checks compare ids only, never encode."""
+    return Tokenizer(spec, vocab_size, eos, pad, encode=lambda texts: [], decode=lambda ids: "")
+
+
+GPT2_METADATA = {"tokenizer": "hf:gpt2", "vocab_size": "50258", "eos_id": "50256",
+                 "pad_id": "50257"}
+
+
+def test_table_tokenizer_reads_the_schema_metadata(tmp_path):
+    write_table(tmp_path / "plain", CORPUS_SCHEMA)
+    assert table_tokenizer(lancedb.connect(str(tmp_path / "plain")).open_table("corpus")) is None
+    write_table(tmp_path / "gpt2", CORPUS_SCHEMA.with_metadata(GPT2_METADATA))
+    tbl = lancedb.connect(str(tmp_path / "gpt2")).open_table("corpus")
+    assert table_tokenizer(tbl) == {"tokenizer": "hf:gpt2", "vocab_size": 50258,
+                                    "eos_id": 50256, "pad_id": 50257}
+    write_table(tmp_path / "bad", CORPUS_SCHEMA.with_metadata({**GPT2_METADATA, "eos_id": "?"}))
+    with pytest.raises(UserError, match="malformed"):
+        table_tokenizer(lancedb.connect(str(tmp_path / "bad")).open_table("corpus"))
+
+
+def test_check_table_tokenizer_compares_ids_not_spec(tmp_path):
+    write_table(tmp_path / "gpt2", CORPUS_SCHEMA.with_metadata(GPT2_METADATA))
+    tbl = lancedb.connect(str(tmp_path / "gpt2")).open_table("corpus")
+    where = "the table 'corpus' in DB"
+    with pytest.raises(UserError) as e:
+        check_table_tokenizer(tbl, load_tokenizer("byte"), where)
+    assert str(e.value) == ("the table 'corpus' in DB was tokenized with 'hf:gpt2' (vocab 50258); "
+                            "this run's --tokenizer 'byte' has vocab 258: pass --tokenizer hf:gpt2")
+    with pytest.raises(UserError, match=r"\(vocab 50258, pad 50257\).*has vocab 50258, pad 7"):
+        check_table_tokenizer(tbl, gpt2_like("hf:other", pad=7), where)
+    check_table_tokenizer(tbl, gpt2_like("hf:/models/gpt2"), where)  # same ids, other path
+    write_table(tmp_path / "plain", CORPUS_SCHEMA)
+    check_table_tokenizer(lancedb.connect(str(tmp_path / "plain")).open_table("corpus"),
+                          load_tokenizer("byte"), where)  # records nothing: unchecked

@@ -1,9 +1,11 @@
 """Tests for prepare_data.py: every input type, modes, dedup and split, bounded memory,
-the quality score, user errors at the CLI, the stdlib demo corpus and an hf: tokenizer."""
+the quality score, user errors at the CLI, the stdlib demo corpus, an hf: tokenizer and
+the tokenizer recorded on the table."""
 
 import gzip
 import json
 import os
+import shutil
 import subprocess
 import tracemalloc
 
@@ -12,7 +14,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from common import CORPUS_SCHEMA, UserError, load_tokenizer
+import prepare_data
+from common import CORPUS_SCHEMA, UserError, load_tokenizer, table_tokenizer
 from conftest import REPO as ROOT
 from conftest import assert_user_error, run_script
 from prepare_data import build_demo, ingest, quality_score
@@ -38,6 +41,24 @@ def read_table(db, table="corpus") -> pa.Table:
 
 def run_cli(*args) -> subprocess.CompletedProcess:
     return run_script("prepare_data.py", *args, cwd=ROOT, timeout=120)
+
+
+def main_error(capsys, *argv) -> str:
+    """prepare_data.main in-process (a subprocess costs ~5 s of imports): a user error
+    exits 2 with exactly one `error: ` line on stderr; returns that line."""
+    with pytest.raises(SystemExit) as exit_:
+        prepare_data.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert exit_.value.code == 2, out + err
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def table_state(db, table="corpus"):
+    """What a refused run must leave as it was: the version and the rows."""
+    tbl = lancedb.connect(str(db)).open_table(table)
+    return tbl.version, tbl.count_rows()
 
 
 def write_jsonl(path, records, opener=open):
@@ -104,15 +125,26 @@ def test_each_input_type_ingests(tmp_path, make):
     assert_corpus(read_table(tmp_path / "db"), texts)
 
 
-def test_bad_jsonl_lines_are_skipped_and_counted(tmp_path):
+def test_bad_jsonl_lines_are_skipped_and_counted(tmp_path, capsys):
     path = write_jsonl(tmp_path / "d.jsonl", [
         {"text": prose(0)}, "this is not json", "[1, 2, 3]", {"body": prose(1)}, {"text": 42},
-        {"text": None}, "", {"text": "too short"}, {"text": prose(2)},
+        {"text": None}, "", {"text": "too short"}, {"text": "\ud800 " + prose(3)},
+        {"text": prose(2)},
     ])
     summary = ingest([str(path)], str(tmp_path / "db"), "corpus", "byte")
     assert summary["docs"] == 2
-    assert summary["skipped"] == {"bad_json": 2, "no_text": 3, "short": 1}
+    assert summary["skipped"] == {"bad_json": 2, "no_text": 3, "short": 1, "bad_text": 1}
     assert_corpus(read_table(tmp_path / "db"), [prose(0), prose(2)])
+    assert "skipped 2 bad_json, 1 bad_text, 3 no_text, 1 short;" in capsys.readouterr().out
+
+
+def test_help_documents_what_is_skipped_and_what_is_fatal(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        prepare_data.main(["--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for word in ("other_type", "short", "bad_json", "no_text", "bad_text", "Fatal"):
+        assert word in text
 
 
 def test_score_field_is_used(tmp_path):
@@ -232,17 +264,127 @@ def test_quality_score_passes_prose_and_fails_junk():
 
 # ----------------------------------------------------------------------------- cli errors
 
-def test_empty_input_is_a_user_error(tmp_path):
+def bad_missing(tmp_path):
+    return [tmp_path / "nothere.jsonl"], ["nothere.jsonl", "does not exist"]
+
+
+def bad_corrupt_gz(tmp_path):
+    (tmp_path / "d.jsonl.gz").write_bytes(b"plain text, not gzip data\n" * 10)
+    return [tmp_path / "d.jsonl.gz"], ["cannot read", "d.jsonl.gz"]
+
+
+def bad_corrupt_parquet(tmp_path):
+    (tmp_path / "d.parquet").write_bytes(os.urandom(4096))
+    return [tmp_path / "d.parquet"], ["cannot read", "d.parquet"]
+
+
+def bad_not_utf8(tmp_path):
+    (tmp_path / "d.jsonl").write_bytes(b'{"text": "caf\xe9 au lait"}\n')
+    return [tmp_path / "d.jsonl"], ["cannot read", "d.jsonl", "utf-8"]
+
+
+def bad_corrupt_after_a_good_file(tmp_path):
+    """With --batch-size 1 the corrupt file is read after lance began writing."""
+    good, _ = make_jsonl(tmp_path)
+    (tmp_path / "e.parquet").write_bytes(os.urandom(4096))
+    return [good, tmp_path / "e.parquet", "--batch-size", 1], ["cannot read", "e.parquet"]
+
+
+def bad_empty_file(tmp_path):
     (tmp_path / "empty.jsonl").write_text("", encoding="utf-8")
-    proc = run_cli(tmp_path / "empty.jsonl", "--db", tmp_path / "db")
-    assert_user_error(proc, "no document")
+    return [tmp_path / "empty.jsonl"], ["no document", "skipped: none"]
+
+
+def bad_empty_dir(tmp_path):
+    (tmp_path / "in").mkdir()
+    return [tmp_path / "in"], ["no .jsonl.gz / .jsonl / .parquet / .txt file", "skipped: none"]
+
+
+def bad_dir_of_unknown_types(tmp_path):
+    (tmp_path / "in" / "sub").mkdir(parents=True)
+    (tmp_path / "in" / "a.md").write_text(prose(0), encoding="utf-8")
+    (tmp_path / "in" / "sub" / "b.csv").write_text(prose(1), encoding="utf-8")
+    return [tmp_path / "in"], ["no .jsonl.gz", "2 other_type"]
+
+
+def bad_unknown_named_type(tmp_path):
+    (tmp_path / "data.csv").write_text("text\nhello\n", encoding="utf-8")
+    return [tmp_path / "data.csv"], ["data.csv", "not a known type"]
+
+
+def bad_every_line_skipped(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", ["not json", {"body": prose(0)}, {"text": 7}])
+    return [path], ["no document", "1 bad_json, 2 no_text", "--text-field"]
+
+
+@pytest.fixture(scope="module")
+def existing_db(tmp_path_factory):
+    """A corpus table that refused runs append to (and must leave as it was)."""
+    tmp = tmp_path_factory.mktemp("existing")
+    path, _ = make_jsonl(tmp)
+    ingest([str(path)], str(tmp / "db"), "corpus", "byte")
+    return tmp / "db", table_state(tmp / "db")
+
+
+@pytest.mark.parametrize("make", [
+    bad_missing, bad_corrupt_gz, bad_corrupt_parquet, bad_not_utf8, bad_corrupt_after_a_good_file,
+    bad_empty_file, bad_empty_dir, bad_dir_of_unknown_types, bad_unknown_named_type,
+    bad_every_line_skipped])
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, existing_db, make):
+    """Into a db that does not exist yet (no directory may be left behind), then appended
+    to an existing table (which must keep its version and rows)."""
+    args, fragments = make(tmp_path)
+    line = main_error(capsys, *args, "--db", tmp_path / "new" / "db")
+    for fragment in fragments:
+        assert fragment in line
+    assert not (tmp_path / "new").exists()
+    db, state = existing_db
+    assert main_error(capsys, *args, "--db", db, "--mode", "append") == line.replace(
+        str(tmp_path / "new" / "db"), str(db))
+    assert table_state(db) == state
+
+
+def test_a_failed_write_removes_the_table_directory_it_created(tmp_path, capsys):
+    db = tmp_path / "db"
+    first, texts = make_jsonl(tmp_path)
+    ingest([str(first)], str(db), "other", "byte")
+    args = bad_corrupt_after_a_good_file(tmp_path)[0]
+    main_error(capsys, *args, "--db", db)
+    assert sorted(os.listdir(db)) == ["other.lance"]
+    assert table_state(db, "other")[1] == len(texts)
+
+
+def test_unreadable_file_and_directory(tmp_path, capsys):
+    path, _ = make_jsonl(tmp_path)
+    (tmp_path / "in" / "locked").mkdir(parents=True)
+    try:
+        path.chmod(0)
+        if os.access(path, os.R_OK):
+            pytest.skip("this user reads files whatever their mode (root)")
+        assert "cannot read" in main_error(capsys, path, "--db", tmp_path / "db")
+        (tmp_path / "in" / "locked").chmod(0)
+        assert "cannot read directory" in main_error(capsys, tmp_path / "in", "--db", tmp_path / "db")
+    finally:
+        path.chmod(0o644)
+        (tmp_path / "in" / "locked").chmod(0o755)
     assert not (tmp_path / "db").exists()
 
 
-def test_unknown_explicit_file_type_is_a_user_error(tmp_path):
-    (tmp_path / "data.csv").write_text("text\nhello\n", encoding="utf-8")
-    proc = run_cli(tmp_path / "data.csv", "--db", tmp_path / "db")
-    assert_user_error(proc, "data.csv")
+def test_db_that_is_a_file(tmp_path, capsys):
+    path, _ = make_jsonl(tmp_path)
+    (tmp_path / "db").write_text("not a database", encoding="utf-8")
+    assert "is a file, not a LanceDB directory" in main_error(capsys, path, "--db", tmp_path / "db")
+    assert "cannot be created" in main_error(capsys, path, "--db", tmp_path / "db" / "sub")
+    assert (tmp_path / "db").read_text(encoding="utf-8") == "not a database"
+
+
+def test_bad_table_name_and_unwritable_db(tmp_path, capsys):
+    path, _ = make_jsonl(tmp_path)
+    line = main_error(capsys, path, "--db", tmp_path / "db", "--table", "a/b")
+    assert "--table 'a/b'" in line and "Invalid table name" in line
+    assert not (tmp_path / "db").exists()
+    if os.path.isdir("/proc/self"):  # not even root can make a directory there
+        assert "cannot write table" in main_error(capsys, path, "--db", "/proc/self/lancedb")
 
 
 # ----------------------------------------------------------------------------- demo, hf tokenizer
@@ -268,19 +410,27 @@ def test_demo_builds_thousands_of_docs_deterministically(demo_tables):
     assert_corpus(a.slice(0, 200), a.column("text").to_pylist()[:200])
 
 
-def test_hf_tokenizer_from_a_local_directory(tmp_path):
+@pytest.fixture(scope="module")
+def bpe_spec(tmp_path_factory):
+    """`hf:DIR` of a small BPE tokenizer trained on the test prose and saved locally."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    texts = [prose(i) for i in range(40)]
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["[SEP]"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tk.train_from_iterator(texts, trainer)
-    spec = f"hf:{tmp_path / 'tok'}"
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tk.train_from_iterator([prose(i) for i in range(40)], trainer)
+    spec = f"hf:{tmp_path_factory.mktemp('bpe') / 'tok'}"
     PreTrainedTokenizerFast(tokenizer_object=tk, sep_token="[SEP]").save_pretrained(spec[3:])
+    return spec
+
+
+def test_hf_tokenizer_from_a_local_directory(tmp_path, bpe_spec):
+    texts = [prose(i) for i in range(40)]
+    spec = bpe_spec
     tok = load_tokenizer(spec)
 
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in texts])
@@ -292,3 +442,46 @@ def test_hf_tokenizer_from_a_local_directory(tmp_path):
     for text, row in zip(texts, ids):
         assert tok.decode(row) == text
         assert tok.eos_token_id not in row and tok.pad_token_id not in row
+
+
+# ----------------------------------------------------------------------------- tokenizer on the table
+
+def test_the_table_records_its_tokenizer(tmp_path, capsys, bpe_spec):
+    """Create and overwrite record the tokenizer, append keeps it, and an append with
+    other ids is refused before writing; the same tokenizer from another path is not."""
+    db, path = tmp_path / "db", make_jsonl(tmp_path)[0]
+    ingest([str(path)], str(db), "corpus", "byte")
+    byte = {"tokenizer": "byte", "vocab_size": 258, "eos_id": 256, "pad_id": 257}
+    assert table_tokenizer(lancedb.connect(str(db)).open_table("corpus")) == byte
+    ingest([str(make_jsonl_gz(tmp_path)[0])], str(db), "corpus", "byte", mode="append")
+    assert table_tokenizer(lancedb.connect(str(db)).open_table("corpus")) == byte
+
+    bpe = load_tokenizer(bpe_spec)
+    ingest([str(path)], str(db), "corpus", bpe_spec, mode="overwrite")
+    recorded = {"tokenizer": bpe_spec, "vocab_size": bpe.vocab_size, "eos_id": bpe.eos_token_id,
+                "pad_id": bpe.pad_token_id}
+    assert table_tokenizer(lancedb.connect(str(db)).open_table("corpus")) == recorded
+
+    state = table_state(db)
+    line = main_error(capsys, path, "--db", db, "--mode", "append", "--tokenizer", "byte")
+    assert f"was tokenized with '{bpe_spec}' (vocab {bpe.vocab_size}" in line
+    assert "'byte' has vocab 258" in line and line.endswith(f"pass --tokenizer {bpe_spec}")
+    assert table_state(db) == state
+
+    copy = shutil.copytree(bpe_spec[3:], tmp_path / "same-tokenizer")
+    ingest([str(make_jsonl_gz(tmp_path)[0])], str(db), "corpus", f"hf:{copy}", mode="append")
+    tbl = lancedb.connect(str(db)).open_table("corpus")
+    assert table_tokenizer(tbl) == recorded and tbl.version == state[0] + 1
+    assert tbl.schema.remove_metadata().equals(CORPUS_SCHEMA)
+
+
+def test_append_to_a_table_that_records_no_tokenizer(tmp_path):
+    """Tables made by other tools carry no metadata: appending is allowed, unchecked."""
+    db = lancedb.connect(str(tmp_path / "db"))
+    row = pa.table({"id": [0], "text": ["x"], "input_ids": [[120]], "n_tokens": [1],
+                    "score": [2.0], "is_dup": [False], "split": ["train"]})
+    db.create_table("corpus", row.cast(CORPUS_SCHEMA))
+    summary = ingest([str(make_jsonl(tmp_path)[0])], str(tmp_path / "db"), "corpus", "byte",
+                     mode="append")
+    tbl = db.open_table("corpus")
+    assert summary["docs"] == 5 and tbl.count_rows() == 6 and table_tokenizer(tbl) is None
