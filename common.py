@@ -241,20 +241,28 @@ def load_tokenizer(spec: str) -> Tokenizer:
     raise UserError(f"unknown tokenizer {spec!r}: use 'byte' or 'hf:<name-or-local-dir>'")
 
 
-# The schema metadata prepare_data stores on a corpus table: which tokenizer made its ids.
+# The metadata prepare_data stores on a corpus table's `input_ids` field: which tokenizer
+# made the ids. On the field, not the schema: lancedb 0.40's StreamingDataset panics
+# ("target schema is not superset of current schema") on a table with schema metadata.
 TOKENIZER_KEYS = ("tokenizer", "vocab_size", "eos_id", "pad_id")
 
 
 def tokenizer_metadata(tok: Tokenizer) -> dict[str, str]:
-    """Arrow schema metadata (strings only) recording the tokenizer that made a table."""
+    """Arrow field metadata (strings only) recording the tokenizer that made a table."""
     return {"tokenizer": tok.spec, "vocab_size": str(tok.vocab_size),
             "eos_id": str(tok.eos_token_id), "pad_id": str(tok.pad_token_id)}
+
+
+def corpus_schema(tok: Tokenizer) -> pa.Schema:
+    """CORPUS_SCHEMA with `tok` recorded on its `input_ids` field."""
+    index = CORPUS_SCHEMA.get_field_index("input_ids")
+    return CORPUS_SCHEMA.set(index, CORPUS_SCHEMA.field(index).with_metadata(tokenizer_metadata(tok)))
 
 
 def table_tokenizer(table) -> dict | None:
     """The tokenizer recorded on `table` by prepare_data, or None when it records none
     (tables made by other tools): {"tokenizer": spec, "vocab_size", "eos_id", "pad_id"}."""
-    meta = table.schema.metadata or {}
+    meta = table.schema.field("input_ids").metadata or {}
     raw = {key: meta.get(key.encode()) for key in TOKENIZER_KEYS}
     if raw["tokenizer"] is None:
         return None

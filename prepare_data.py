@@ -27,8 +27,8 @@ the normalized text, so re-runs agree. The whole run is one commit of a stream o
 record batches: a failed or killed run leaves no partial table, and a failed run removes
 the table or db directory it had started to create.
 
-Creating or overwriting a table records the tokenizer in its schema metadata
-(`tokenizer`, `vocab_size`, `eos_id`, `pad_id`; see common.table_tokenizer), so a run with
+Creating or overwriting a table records the tokenizer in the metadata of its `input_ids`
+field (`tokenizer`, `vocab_size`, `eos_id`, `pad_id`; see common.table_tokenizer), so a run with
 another tokenizer is refused instead of crashing in the embedding.
 
 --demo builds the corpus train.py falls back to: the Python standard library's
@@ -60,7 +60,7 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from common import (CORPUS_SCHEMA, DEFAULT_DB, DEFAULT_TABLE, UserError, check_table_tokenizer,
-                    is_remote, load_tokenizer, tokenizer_metadata, write_stream)
+                    corpus_schema, is_remote, load_tokenizer, write_stream)
 
 DEFAULT_VAL_FRACTION = 0.02
 DEFAULT_MIN_CHARS = 50  # under ~8 words there is hardly a sentence to learn from
@@ -387,8 +387,8 @@ def commit(db: str, table: str, existing, mode: str, tok,
            batches: Iterator[pa.RecordBatch]) -> None:
     """Write every batch in one commit, so a failure leaves the table as it was.
 
-    A created or replaced table records `tok` in its schema metadata; an append keeps
-    the table's own (lance keeps a table's metadata on add). A failed write removes the
+    A created or replaced table records `tok` on its `input_ids` field; an append keeps
+    the table's own (lance keeps a table's field metadata on add). A failed write removes the
     directories it had created, so no empty db or table directory is left behind.
     """
     import lancedb
@@ -398,7 +398,7 @@ def commit(db: str, table: str, existing, mode: str, tok,
         if existing is not None and mode == "append":
             write_stream(existing.add, CORPUS_SCHEMA, batches)
         else:  # a missing table on --mode append is simply created
-            schema = CORPUS_SCHEMA.with_metadata(tokenizer_metadata(tok))
+            schema = corpus_schema(tok)
             write_stream(lambda reader: lancedb.connect(db).create_table(
                 table, data=reader, schema=schema,
                 mode="overwrite" if mode == "overwrite" else "create"), schema, batches)

@@ -42,6 +42,22 @@ def assert_user_error(proc, *fragments):
         assert fragment in lines[0], lines[0]
 
 
+def save_bpe(directory, texts, special_tokens, **named):
+    """A real byte-level BPE tokenizer (vocab 300) trained on `texts` and saved as a local HF
+    directory with only the given special tokens; returns its vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=special_tokens,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    PreTrainedTokenizerFast(tokenizer_object=tk, **named).save_pretrained(str(directory))
+    return tk.get_vocab_size()
+
+
 @pytest.fixture(scope="session")
 def smoke_run(tmp_path_factory):
     """`python train.py --model tiny --steps 40` in a fresh directory: builds the default demo db there."""

@@ -4,25 +4,12 @@ import lancedb
 import pyarrow as pa
 import pytest
 from tokenizers import Tokenizer as RawTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
 from common import (CORPUS_SCHEMA, Tokenizer, UserError, check_table_tokenizer, connect_table,
                     load_tokenizer, table_tokenizer)
+from conftest import save_bpe
 
 TEXTS = ["hello world, this is a tokenizer test.", "the quick brown fox jumps over the lazy dog"] * 20
-
-
-def save_bpe(directory, special_tokens, **named):
-    """A real BPE tokenizer saved as a local HF directory, with only the given specials."""
-    tk = RawTokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    tk.train_from_iterator(TEXTS, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=special_tokens,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    PreTrainedTokenizerFast(tokenizer_object=tk, **named).save_pretrained(directory)
-    return tk.get_vocab_size()
 
 
 def test_byte_round_trip_and_reserved_ids():
@@ -36,7 +23,7 @@ def test_byte_round_trip_and_reserved_ids():
 
 
 def test_hf_local_dir_without_eos_or_pad_reserves_pad_and_uses_sep(tmp_path):
-    n = save_bpe(tmp_path, ["[SEP]"], sep_token="[SEP]")
+    n = save_bpe(tmp_path, TEXTS, ["[SEP]"], sep_token="[SEP]")
     tok = load_tokenizer(f"hf:{tmp_path}")
     sep = RawTokenizer.from_file(str(tmp_path / "tokenizer.json")).token_to_id("[SEP]")
     assert tok.eos_token_id == sep
@@ -51,13 +38,13 @@ def test_hf_local_dir_without_eos_or_pad_reserves_pad_and_uses_sep(tmp_path):
 
 
 def test_hf_pad_equal_to_eos_gets_its_own_id(tmp_path):
-    n = save_bpe(tmp_path, ["<|endoftext|>"], eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    n = save_bpe(tmp_path, TEXTS, ["<|endoftext|>"], eos_token="<|endoftext|>", pad_token="<|endoftext|>")
     tok = load_tokenizer(f"hf:{tmp_path}")
     assert tok.pad_token_id == n and tok.pad_token_id != tok.eos_token_id
 
 
 def test_hf_with_dedicated_pad_keeps_it(tmp_path):
-    save_bpe(tmp_path, ["</s>", "<pad>"], eos_token="</s>", pad_token="<pad>")
+    save_bpe(tmp_path, TEXTS, ["</s>", "<pad>"], eos_token="</s>", pad_token="<pad>")
     tok = load_tokenizer(f"hf:{tmp_path}")
     vocab = RawTokenizer.from_file(str(tmp_path / "tokenizer.json")).get_vocab()
     assert (tok.eos_token_id, tok.pad_token_id) == (vocab["</s>"], vocab["<pad>"])
@@ -66,7 +53,7 @@ def test_hf_with_dedicated_pad_keeps_it(tmp_path):
 
 
 def test_hf_without_eos_or_sep_is_refused(tmp_path):
-    save_bpe(tmp_path, [])
+    save_bpe(tmp_path, TEXTS, [])
     with pytest.raises(UserError, match="neither an EOS nor a separator"):
         load_tokenizer(f"hf:{tmp_path}")
 
@@ -137,20 +124,26 @@ GPT2_METADATA = {"tokenizer": "hf:gpt2", "vocab_size": "50258", "eos_id": "50256
                  "pad_id": "50257"}
 
 
-def test_table_tokenizer_reads_the_schema_metadata(tmp_path):
+def ids_metadata(meta):
+    """CORPUS_SCHEMA with `meta` on its input_ids field, where prepare_data records the tokenizer."""
+    index = CORPUS_SCHEMA.get_field_index("input_ids")
+    return CORPUS_SCHEMA.set(index, CORPUS_SCHEMA.field(index).with_metadata(meta))
+
+
+def test_table_tokenizer_reads_the_input_ids_metadata(tmp_path):
     write_table(tmp_path / "plain", CORPUS_SCHEMA)
     assert table_tokenizer(lancedb.connect(str(tmp_path / "plain")).open_table("corpus")) is None
-    write_table(tmp_path / "gpt2", CORPUS_SCHEMA.with_metadata(GPT2_METADATA))
+    write_table(tmp_path / "gpt2", ids_metadata(GPT2_METADATA))
     tbl = lancedb.connect(str(tmp_path / "gpt2")).open_table("corpus")
     assert table_tokenizer(tbl) == {"tokenizer": "hf:gpt2", "vocab_size": 50258,
                                     "eos_id": 50256, "pad_id": 50257}
-    write_table(tmp_path / "bad", CORPUS_SCHEMA.with_metadata({**GPT2_METADATA, "eos_id": "?"}))
+    write_table(tmp_path / "bad", ids_metadata({**GPT2_METADATA, "eos_id": "?"}))
     with pytest.raises(UserError, match="malformed"):
         table_tokenizer(lancedb.connect(str(tmp_path / "bad")).open_table("corpus"))
 
 
 def test_check_table_tokenizer_compares_ids_not_spec(tmp_path):
-    write_table(tmp_path / "gpt2", CORPUS_SCHEMA.with_metadata(GPT2_METADATA))
+    write_table(tmp_path / "gpt2", ids_metadata(GPT2_METADATA))
     tbl = lancedb.connect(str(tmp_path / "gpt2")).open_table("corpus")
     where = "the table 'corpus' in DB"
     with pytest.raises(UserError) as e:

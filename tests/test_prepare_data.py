@@ -17,7 +17,7 @@ import pytest
 import prepare_data
 from common import CORPUS_SCHEMA, UserError, load_tokenizer, table_tokenizer
 from conftest import REPO as ROOT
-from conftest import assert_user_error, run_script
+from conftest import assert_user_error, run_script, save_bpe
 from prepare_data import build_demo, ingest, quality_score
 
 PROSE = [
@@ -413,18 +413,8 @@ def test_demo_builds_thousands_of_docs_deterministically(demo_tables):
 @pytest.fixture(scope="module")
 def bpe_spec(tmp_path_factory):
     """`hf:DIR` of a small BPE tokenizer trained on the test prose and saved locally."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["[SEP]"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tk.train_from_iterator([prose(i) for i in range(40)], trainer)
     spec = f"hf:{tmp_path_factory.mktemp('bpe') / 'tok'}"
-    PreTrainedTokenizerFast(tokenizer_object=tk, sep_token="[SEP]").save_pretrained(spec[3:])
+    save_bpe(spec[3:], [prose(i) for i in range(40)], ["[SEP]"], sep_token="[SEP]")
     return spec
 
 
