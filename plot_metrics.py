@@ -61,8 +61,9 @@ def _records(path: str):
 def load_metrics(path: str) -> dict:
     """{"train": [...], "eval": [...], "starts": [...]} from one metrics file.
 
-    A resumed run appends to the same file and redoes the steps after its checkpoint,
-    so a step logged twice keeps its last record; train and eval come back in step
+    A resumed run appends to the same file and redoes the steps after its checkpoint:
+    records past the step it resumed from belong to the lost attempt and are dropped,
+    and a step logged twice keeps its last record. Train and eval come back in step
     order. Kinds this script does not know are ignored.
     """
     by_step = {"train": {}, "eval": {}}
@@ -71,6 +72,11 @@ def load_metrics(path: str) -> dict:
         kind = rec.get("kind")
         if kind == "start":
             starts.append(rec)
+            resumed = rec.get("resumed_from_step")
+            if isinstance(resumed, int):
+                for records in by_step.values():
+                    for step in [s for s in records if s > resumed]:
+                        del records[step]
         elif kind in by_step and isinstance(rec.get("step"), int):
             by_step[kind][rec["step"]] = rec
     return {

@@ -46,6 +46,7 @@ from common import (
     VAL_FILTER,
     UserError,
     block_hashes,
+    check_table_tokenizer,
     connect_table,
     corpus_filter,
     load_tokenizer,
@@ -53,14 +54,26 @@ from common import (
 )
 from model import MODEL_SIZES, make_model
 
-# Dense bf16 peak per device, matched against torch.cuda.get_device_name().
-# Devices not listed (and the CPU) report MFU as n/a rather than a guess.
-PEAK_BF16_FLOPS = {
-    "H200": 989e12,
-    "H100 PCIe": 756e12,
-    "H100": 989e12,  # SXM / HBM3 boards; PCIe matched first above
-    "A100": 312e12,
-}
+# Dense (no sparsity) bf16 tensor-core peak per device, the dtype training runs in on
+# CUDA. The first pattern found in torch.cuda.get_device_name() wins; a device not
+# listed (and the CPU) reports MFU as n/a rather than a guess.
+PEAK_BF16_FLOPS = (
+    (r"\bH100\b.*\bPCIe\b", 756e12),
+    (r"\bH100\b.*\bNVL\b", 835e12),
+    (r"\bH100\b", 989e12),  # SXM / HBM3 boards
+    (r"\bH800\b.*\bPCIe\b", 756e12),
+    (r"\bH800\b", 989e12),
+    (r"\bG?H200\b", 989e12),
+    (r"\bH20\b", 148e12),
+    (r"\bB200\b", 2250e12),
+    (r"\bA100\b", 312e12),
+    (r"\bA800\b", 312e12),
+    (r"\bA10\b", 125e12),  # not the A10G, whose figure NVIDIA does not publish
+    (r"\bL40S\b", 362e12),
+    (r"\bL40\b", 181e12),
+    (r"\bL4\b", 121e12),
+    (r"\bMI300X\b", 1307e12),
+)
 
 CKPT_NAME = re.compile(r"^step_(\d{8})\.pt$")
 
@@ -174,6 +187,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=int,
         default=0,
         help="after each checkpoint, delete all but the newest N complete ones (0 = keep all)",
+    )
+    p.add_argument(
+        "--metrics-file",
+        default="",
+        metavar="PATH",
+        help="rank 0 writes JSON Lines here: a start record, one train record per "
+        "--log-every step, one eval record per validation (plot_metrics.py draws them); "
+        "a fresh run starts the file anew, --resume appends",
     )
     p.add_argument(
         "--trace-samples",
@@ -361,12 +382,20 @@ def interleave_workers(loader, num_workers: int, splits_per_worker: int):
                for key in group[0]}
 
 
-def batch_loss(trainable, batch, device, pad_id):
-    input_ids = batch["input_ids"].to(device, non_blocking=True).long()
+def batch_loss(trainable, batch, device, tok):
+    """Mean next-token loss of a batch and its real-token count. Ids outside the
+    vocabulary are refused here, on the CPU, where a GPU would die in a device assert."""
+    input_ids = batch["input_ids"]
+    lowest, highest = (int(x) for x in torch.aminmax(input_ids)) if input_ids.numel() else (0, 0)
+    if lowest < 0 or highest >= tok.vocab_size:
+        bad = lowest if lowest < 0 else highest
+        raise UserError(f"the data holds token id {bad}, outside the {tok.vocab_size}-id vocabulary of "
+                        f"--tokenizer {tok.spec}: pass the tokenizer the data was prepared with")
+    input_ids = input_ids.to(device, non_blocking=True).long()
     if "loss_mask" in batch:
         mask = batch["loss_mask"].to(device, non_blocking=True)
     else:  # packed blocks carry doc_ids; pads are identified by id
-        mask = input_ids != pad_id
+        mask = input_ids != tok.pad_token_id
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
         return trainable(input_ids, mask), mask.sum()
 
@@ -388,7 +417,7 @@ def evaluate(model, args, table, rank, world_size, device, tok) -> float | None:
         for i, batch in enumerate(loader):
             if i >= args.eval_batches:
                 break
-            loss, _ = batch_loss(model, batch, device, tok.pad_token_id)
+            loss, _ = batch_loss(model, batch, device, tok)
             losses.append(loss.float())
     model.train()
     stats = torch.stack([torch.stack(losses).sum(), torch.tensor(float(len(losses)), device=device)]) \
@@ -396,6 +425,22 @@ def evaluate(model, args, table, rank, world_size, device, tok) -> float | None:
     if world_size > 1:
         dist.all_reduce(stats)
     return (stats[0] / stats[1]).item() if stats[1] > 0 else None
+
+
+def check_validation_data(args, data, world_size: int) -> None:
+    """--eval-every needs a validation row for every rank; say so before training."""
+    if not args.eval_every:
+        return
+    if data.table is None:
+        raise UserError(f"--eval-every {args.eval_every}: --blocks-mode {args.blocks_mode} trains on "
+                        f"blocks, which have no validation split; drop --eval-every")
+    val_filter = data_filter(args, VAL_FILTER)
+    val_rows = data.table.count_rows(val_filter)
+    if val_rows < world_size:
+        found = "no validation rows pass" if not val_rows else f"only {val_rows} validation rows pass"
+        raise UserError(f"--eval-every {args.eval_every}: {found} the filter ({val_filter}), and each "
+                        f"of the {world_size} ranks needs one; prepare the corpus with "
+                        f"--val-fraction above 0, lower --min-score, or drop --eval-every")
 
 
 def format_val(val: float | None, args) -> str:
@@ -418,12 +463,19 @@ def flops_per_token(model) -> float:
     return 6 * model.num_params() + 12 * cfg.n_layer * cfg.d_model * cfg.seq_len
 
 
-def peak_flops(device: torch.device) -> float | None:
-    """Dense bf16 peak of this device, or None where it is unknown (CPU included)."""
+def peak_flops(device: torch.device) -> tuple[float | None, str]:
+    """This device's dense bf16 peak (None where unknown, the CPU included) and what it is."""
     if device.type != "cuda":
-        return None
+        return None, f"n/a on {device.type}"
     name = torch.cuda.get_device_name(device)
-    return next((f for key, f in PEAK_BF16_FLOPS.items() if key in name), None)
+    peak = peak_bf16_flops(name)
+    if peak is None:
+        return None, f"n/a: no bf16 peak known for {name!r} (train.PEAK_BF16_FLOPS)"
+    return peak, f"{peak / 1e12:,.0f} TFLOPS bf16 peak per {name}"
+
+
+def peak_bf16_flops(device_name: str) -> float | None:
+    return next((flops for pattern, flops in PEAK_BF16_FLOPS if re.search(pattern, device_name)), None)
 
 
 class SampleTrace:
@@ -448,6 +500,29 @@ class SampleTrace:
         self.pending = []
 
 
+class MetricsLog:
+    """--metrics-file: one JSON object per line, flushed as written, so a crash leaves
+    whole records (and at worst one torn last line, which plot_metrics.py skips).
+
+    The file is opened, and the run's start record written, with the first record of
+    a trained step: a run refused at its first batch leaves no file behind.
+    """
+
+    def __init__(self, path: str, append: bool, **start):
+        self.path, self.append, self.start = path, append, start
+        self.file = None
+
+    def write(self, kind: str, **fields) -> None:
+        if self.file is None:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            self.file = open(self.path, "a" if self.append else "w", buffering=1)
+            self._line("start", self.start)
+        self._line(kind, fields)
+
+    def _line(self, kind: str, fields: dict) -> None:
+        self.file.write(json.dumps({"kind": kind, "time": round(time.time(), 3), **fields}) + "\n")
+
+
 @dataclass
 class EpochPlan:
     """How much one epoch holds, computed from the table before training."""
@@ -460,6 +535,9 @@ class EpochPlan:
 def plan_epoch(args, table, num_splits: int, global_batch: int) -> EpochPlan:
     train_filter = data_filter(args, TRAIN_FILTER)
     train_rows, total_tokens = packed_token_count(table, train_filter)
+    if train_rows == 0:
+        raise UserError(f"no training rows pass the filter ({train_filter}): "
+                        f"{why_no_training_rows(table, args.min_score)}")
     if train_rows < num_splits:
         raise UserError(
             f"only {train_rows} training rows pass the filter ({train_filter}) but "
@@ -492,6 +570,19 @@ def plan_epoch(args, table, num_splits: int, global_batch: int) -> EpochPlan:
     return EpochPlan(train_rows, blocks_per_epoch, -(-(sized // num_splits) // cycles_per_batch))
 
 
+def why_no_training_rows(table, min_score: float) -> str:
+    """What to change when the filter leaves nothing: the split, or the score cutoff."""
+    import pyarrow.compute as pc
+
+    candidates = f"NOT is_dup AND ({TRAIN_FILTER})"  # the training filter without its score cutoff
+    rows = table.count_rows(candidates)
+    if rows == 0:
+        return "the table has no non-duplicate rows with split = 'train'; re-run prepare_data.py"
+    scores = table.search().where(candidates).select(["score"]).limit(rows).to_arrow()
+    best = pc.max(scores.column("score")).as_py()
+    return f"the best training score is {best:.3f}, below --min-score {min_score}; lower --min-score"
+
+
 @dataclass
 class TrainingData:
     """Where a run's training samples come from, epoch by epoch.
@@ -513,6 +604,7 @@ def open_training_data(args, tok, rank: int, world_size: int, device, num_splits
     if args.blocks_mode == "off":
         ensure_demo_corpus(args, rank == 0, world_size)
         table = connect_table(args.db, args.table)
+        check_table_tokenizer(table, tok, f"the table {args.table!r} in {args.db!r}")
         plan = plan_epoch(args, table, num_splits, global_batch)
         source = corpus_source(args, tok, TRAIN_FILTER, args.pack, plan.blocks_per_epoch)
         return TrainingData(plan, "corpus", table, dataset=lambda epoch: make_dataset(
@@ -721,6 +813,7 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
     global_batch = args.batch_size * world_size
     tok = load_tokenizer(args.tokenizer)
     data = open_training_data(args, tok, rank, world_size, device, num_splits, global_batch)
+    check_validation_data(args, data, world_size)
     plan = data.plan
     config = run_config(args, num_splits, global_batch, data.identity)
 
@@ -736,7 +829,7 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
     torch.manual_seed(1234)
     model = make_model(args.model, tok.vocab_size, args.seq_len).to(device)
     fpt = flops_per_token(model)
-    peak = peak_flops(device)
+    peak, peak_note = peak_flops(device)
     if is_main:
         print(
             f"model={args.model} params={model.num_params():,} pack={args.pack} "
@@ -748,8 +841,12 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
     opt = make_optimizer(model, args, device)
     start_epoch, opt_step, tokens_seen = 0, 0, 0
     if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optimizer"])
+        try:
+            model.load_state_dict(ckpt["model"])
+            opt.load_state_dict(ckpt["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise UserError(f"checkpoint {path!r} does not fit --model {args.model} with a "
+                            f"{tok.vocab_size}-id vocabulary: {str(e).splitlines()[0]}") from None
         start_epoch, opt_step = ckpt["epoch"], ckpt["opt_step"]
         tokens_seen = ckpt.get("tokens_seen", 0) if is_main else 0  # global: rank 0 carries it
         if is_main:
@@ -766,30 +863,53 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
     total_micro = plan.micro_steps_per_epoch * args.epochs
     steps_per_epoch = max(plan.micro_steps_per_epoch // args.grad_accum, 1)
     total_steps = args.lr_total_steps or args.steps or max(total_micro // args.grad_accum, 1)
+    metrics = None
     if is_main:
         print(
             f"train {'rows (post-filter)' if args.blocks_mode == 'off' else 'blocks'}: "
             f"{plan.train_rows:,}  ~steps/epoch: "
             f"{steps_per_epoch:,}  target steps: {total_steps:,}"
         )
+        kept = f"keeping the newest {args.keep_last}" if args.keep_last else "keeping all"
+        print(f"checkpoints: {args.ckpt_dir} every {args.ckpt_every} steps and at the end, {kept}")
+        print(f"mfu: {peak_note}")
+        if args.metrics_file:
+            print(f"metrics: {args.metrics_file}")
+            metrics = MetricsLog(
+                args.metrics_file, append=ckpt is not None, model=args.model,
+                params=model.num_params(), world_size=world_size,
+                global_batch=global_batch * args.grad_accum, seq_len=args.seq_len,
+                tokens_per_step=global_batch * args.grad_accum * args.seq_len,
+                blocks_mode=args.blocks_mode, pack=args.pack, resumed_from_step=opt_step)
 
     tokens = torch.tensor(tokens_seen, dtype=torch.int64, device=device)
+    nonfinite = torch.zeros((), dtype=torch.int64, device=device)  # counted on device: no per-step sync
     t_last, step_last = time.perf_counter(), opt_step
     last_saved = opt_step if ckpt is not None else -1
     epoch, ds, trained = start_epoch, None, False
     tag = f"[{args.blocks_mode}] " if args.blocks_mode != "off" else ""
 
-    def global_tokens() -> int:
-        """Real tokens trained on by all ranks, this run and the runs it resumes."""
-        total = tokens.clone()
+    def checked_tokens() -> int:
+        """All ranks: real tokens trained on (this run and the runs it resumes), after
+        refusing to go on if any rank's loss or gradient norm went NaN or inf."""
+        totals = torch.stack([tokens, nonfinite])
         if world_size > 1:
-            dist.all_reduce(total)
-        return int(total)
+            dist.all_reduce(totals)
+        if totals[1]:
+            good = f"the newest checkpoint, step {last_saved}, is the last good one" \
+                if last_saved > 0 else "no checkpoint was written"
+            raise UserError(f"the loss became NaN or inf by step {opt_step}; nothing was saved after "
+                            f"it and {good}: lower --lr or check the data, then --resume")
+        return int(totals[0])
 
-    def save(epoch: int, ds) -> None:
+    def save(epoch: int, ds, batch) -> None:
+        nonlocal nonfinite
+        with torch.no_grad():  # the weights about to be saved, on the last batch: a
+            probe, _ = batch_loss(model, batch, device, tok)  # step can leave them unusable
+        nonfinite = nonfinite + ~torch.isfinite(probe)
+        seen = checked_tokens()
         rank_payload = {"dataset": ds.state_dict() if ds is not None else None, "epoch": epoch,
                         "opt_step": opt_step}
-        seen = global_tokens()
         path = save_checkpoint(args.ckpt_dir, rank, world_size, rank_payload, lambda: {
             "model": raw_model.state_dict(),
             "optimizer": opt.state_dict(),
@@ -799,6 +919,17 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
         }, args.keep_last)
         if is_main:
             print(f"  saved {path}")
+
+    evaluated = {}  # opt_step -> val loss: the end of a run may fall on an --eval-every step
+
+    def validate(epoch: int) -> float | None:
+        if opt_step not in evaluated:
+            evaluated[opt_step] = evaluate(model, args, data.table, rank, world_size, device, tok)
+            seen = checked_tokens()
+            if metrics:
+                metrics.write("eval", step=opt_step, epoch=epoch, tokens_seen=seen,
+                              val_loss=evaluated[opt_step])
+        return evaluated[opt_step]
 
     done = bool(args.steps) and opt_step >= args.steps
     batches = () if done else train_batches(args, data, rank, world_size, device, num_splits,
@@ -816,43 +947,49 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
             else contextlib.nullcontext()
         )
         with ctx:
-            loss, real_tokens = batch_loss(trainable, batch, device, tok.pad_token_id)
+            loss, real_tokens = batch_loss(trainable, batch, device, tok)
             (loss / args.grad_accum).backward()
         micro += 1
-        tokens += real_tokens  # device accumulator: no per-step sync
+        tokens += real_tokens  # device accumulators: no per-step sync
+        nonfinite += ~torch.isfinite(loss.detach())
         if not is_sync:
             continue
 
         for g in opt.param_groups:
             g["lr"] = lr_at(opt_step, total_steps, args)
-        torch.nn.utils.clip_grad_norm_(trainable.parameters(), 1.0)
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable.parameters(), 1.0)
+        nonfinite += ~torch.isfinite(grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
         opt_step += 1
         if trace:
             trace.commit(opt_step, epoch)
 
-        if is_main and opt_step % args.log_every == 0:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t_last
-            tps = (opt_step - step_last) * global_batch * args.grad_accum * args.seq_len / dt
-            mfu = f"{fpt * tps / (world_size * peak):.1%}" if peak else "n/a"
-            loader = "" if ds is None else (
-                f" | q {ds.unscanned_rows}/{ds.raw_queue_depth}/{ds.prefetch_queue_depth}/"
-                f"{ds.consumed_rows} | fetch {ds.fetch_time:.1f}s tx {ds.transform_time:.1f}s")
-            print(
-                f"{tag}epoch {epoch} step {opt_step}/{total_steps} | "
-                f"loss {loss.item():.4f} | {tps:,.0f} tok/s | mfu {mfu}{loader}",
-                flush=True,
-            )
-            t_last, step_last = time.perf_counter(), opt_step
+        if opt_step % args.log_every == 0:
+            seen = checked_tokens()
+            if is_main:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - t_last
+                tps = (opt_step - step_last) * global_batch * args.grad_accum * args.seq_len / dt
+                mfu = fpt * tps / (world_size * peak) if peak else None
+                print(
+                    f"{tag}epoch {epoch} step {opt_step}/{total_steps} | "
+                    f"loss {loss.item():.4f} | {tps:,.0f} tok/s | "
+                    f"mfu {'n/a' if mfu is None else f'{mfu:.1%}'}{format_loader_stats(ds)}",
+                    flush=True,
+                )
+                if metrics:
+                    metrics.write("train", step=opt_step, epoch=epoch, loss=loss.item(),
+                                  lr=opt.param_groups[0]["lr"], tokens_per_s=tps, mfu=mfu,
+                                  tokens_seen=seen, loader=loader_stats(ds))
+                t_last, step_last = time.perf_counter(), opt_step
 
         if opt_step % args.ckpt_every == 0:
-            save(epoch, ds)
+            save(epoch, ds, batch)
             last_saved = opt_step
         if args.eval_every and opt_step % args.eval_every == 0:
-            val = evaluate(model, args, data.table, rank, world_size, device, tok)
+            val = validate(epoch)
             if is_main:
                 print(f"  val loss @ step {opt_step}: {format_val(val, args)}", flush=True)
         if args.steps and opt_step >= args.steps:
@@ -860,16 +997,34 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
     if isinstance(batches, Generator):
         batches.close()  # stops loader workers now, not at interpreter exit
     if trained and opt_step != last_saved:  # the end of the run is always resumable
-        save(epoch, ds)
+        save(epoch, ds, batch)
 
-    val = evaluate(model, args, data.table, rank, world_size, device, tok)
-    seen = global_tokens()
+    val = validate(epoch)
+    seen = checked_tokens()
     if is_main:
         print(
             f"{tag}final: opt_step={opt_step} tokens_seen={seen:,} "
             f"val_loss={format_val(val, args)}",
             flush=True,
         )
+
+
+def loader_stats(ds) -> dict | None:
+    """The lancedb loader's queue and timing counters, where the source has them."""
+    if ds is None:
+        return None
+    return dict(unscanned_rows=ds.unscanned_rows, raw_queue_depth=ds.raw_queue_depth,
+                prefetch_queue_depth=ds.prefetch_queue_depth, consumed_rows=ds.consumed_rows,
+                fetch_s=round(ds.fetch_time, 3), transform_s=round(ds.transform_time, 3))
+
+
+def format_loader_stats(ds) -> str:
+    stats = loader_stats(ds)
+    if stats is None:
+        return ""
+    return (f" | q {stats['unscanned_rows']}/{stats['raw_queue_depth']}/"
+            f"{stats['prefetch_queue_depth']}/{stats['consumed_rows']} | "
+            f"fetch {stats['fetch_s']:.1f}s tx {stats['transform_s']:.1f}s")
 
 
 def make_optimizer(model, args, device: torch.device) -> torch.optim.Optimizer:

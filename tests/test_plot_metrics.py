@@ -38,11 +38,13 @@ def write_jsonl(path, records, tail=""):
 
 
 def resumed_run(path, mfu=None):
-    """Steps 10-30, a crash, a resume from the step-20 checkpoint that redoes step 30 with
-    another loss and gets to 40, then a crash mid-line."""
+    """Steps 10-50, a crash, a resume from the step-20 checkpoint that redoes step 30 with
+    another loss and gets to 40 (the lost attempt's 50 is not part of the run), then a
+    crash mid-line."""
     return write_jsonl(path, [
         start(),
         train(10, 5.0, mfu), train(20, 4.5, mfu), evaluation(20, 4.6), train(30, 4.2, mfu),
+        evaluation(30, 4.3), train(50, 4.0, mfu),
         start(resumed_from_step=20, world_size=4),
         train(30, 4.1, mfu), {**train(40, 3.9, mfu), "new_field": [1, 2]},
         {"kind": "grad_norms", "step": 40, "norm": 1.0},  # a kind from a newer train.py

@@ -1,6 +1,7 @@
 """train.py end to end on real LanceDB tables: smoke run, packing, exact resume, errors."""
 
 import argparse
+import dataclasses
 import json
 import re
 
@@ -77,7 +78,7 @@ def test_pad_positions_contribute_nothing_to_the_loss(tmp_path):
 
     torch.manual_seed(0)
     model = make_model("tiny", tok.vocab_size, 32)
-    loss, real = train.batch_loss(model, batch, torch.device("cpu"), tok.pad_token_id)
+    loss, real = train.batch_loss(model, batch, torch.device("cpu"), tok)
     assert real == (~is_pad).sum()
 
     total, count = 0.0, 0
@@ -94,7 +95,7 @@ def test_pad_positions_contribute_nothing_to_the_loss(tmp_path):
 
     changed = input_ids.masked_fill(is_pad, 7)  # whatever sits at a pad position is ignored
     loss_changed, _ = train.batch_loss(model, {"input_ids": changed, "doc_ids": batch["doc_ids"]},
-                                       torch.device("cpu"), 7)
+                                       torch.device("cpu"), dataclasses.replace(tok, pad_token_id=7))
     torch.testing.assert_close(loss_changed, loss, rtol=0, atol=0)
 
 
@@ -228,3 +229,46 @@ def test_resume_may_trade_batch_size_for_grad_accum(demo_db, tmp_path, capsys):
         return {x["step"]: sorted(x["samples"]) for x in map(json.loads, lines)}
 
     assert per_step("traded") == per_step("straight")
+
+
+@pytest.mark.parametrize("name,peak", [
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
+    ("NVIDIA H200", 989e12), ("NVIDIA GH200 480GB", 989e12), ("NVIDIA H20", 148e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A100 80GB PCIe", 312e12), ("NVIDIA A10", 125e12),
+    ("NVIDIA A10G", None), ("NVIDIA L40S", 362e12), ("NVIDIA L4", 121e12), ("Tesla T4", None),
+    ("Tesla V100-SXM2-16GB", None), ("NVIDIA GeForce RTX 4090", None),
+])
+def test_peak_flops_come_from_the_device_table_or_nowhere(name, peak):
+    assert train.peak_bf16_flops(name) == peak
+
+
+def test_mfu_is_not_applicable_on_the_cpu():
+    assert train.peak_flops(torch.device("cpu")) == (None, "n/a on cpu")
+
+
+def test_metrics_file_has_a_record_per_log_step_and_plots(demo_db, tmp_path, capsys):
+    import plot_metrics
+
+    metrics, ck = tmp_path / "runs" / "metrics.jsonl", str(tmp_path / "ck")
+    run = ["--db", demo_db, *FAST, "--eval-every", "3", "--ckpt-dir", ck, "--metrics-file", str(metrics)]
+    train.main([*run, "--steps", "6"])
+    train.main([*run, "--steps", "8", "--resume", "auto"])  # appends to the same file
+    assert "metrics: " in capsys.readouterr().out
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    starts = [r for r in records if r["kind"] == "start"]
+    assert [s["resumed_from_step"] for s in starts] == [0, 6] and records[0]["kind"] == "start"
+    assert starts[0]["tokens_per_step"] == 4 * 64 and starts[0]["model"] == "tiny"
+    logged = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in logged] == [2, 4, 6, 8]  # --log-every 2
+    for r in logged:
+        assert r["mfu"] is None and r["loss"] > 0 and r["lr"] > 0 and r["tokens_per_s"] > 0
+        assert set(r["loader"]) >= {"consumed_rows", "fetch_s", "transform_s"}
+    seen = [r["tokens_seen"] for r in logged]
+    assert seen == sorted(seen) and seen[0] > 0
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [3, 6, 8]  # --eval-every 3 and the ends of both runs
+    assert all(isinstance(r["val_loss"], float) for r in evals)
+
+    png = tmp_path / "runs" / "loss.png"
+    plot_metrics.main([str(metrics), "--out", str(png)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
