@@ -56,6 +56,7 @@ from common import (
     MultisetDigest,
     UserError,
     block_hashes,
+    check_table_tokenizer,
     connect_table,
     corpus_filter,
     is_remote,
@@ -233,6 +234,7 @@ def build(db: str, table: str, out: str, *, formats=FORMATS, seq_len: int = 1024
                 raise UserError(f"{os.path.join(out, fmt)} already exists; pass --overwrite to replace it")
     tok = load_tokenizer(tokenizer_spec)
     tbl = connect_table(db, table)
+    check_table_tokenizer(tbl, tok, f"the table {table!r} in {db!r}")
     where = corpus_filter(min_score, TRAIN_FILTER)
     docs, tokens = packed_token_count(tbl, where)
     num_blocks = tokens // seq_len

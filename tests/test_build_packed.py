@@ -13,8 +13,8 @@ import pytest
 
 import build_packed_datasets
 from blocks_loaders import FORMATS, read_manifest
-from common import CORPUS_SCHEMA, TRAIN_FILTER, MultisetDigest, block_hashes, load_tokenizer
-from conftest import BLOCKS_SEQ_LEN, assert_user_error, run_script
+from common import CORPUS_SCHEMA, TRAIN_FILTER, MultisetDigest, UserError, block_hashes, load_tokenizer
+from conftest import BLOCKS_SEQ_LEN, assert_user_error, run_script, save_bpe
 
 SHARED_KEYS = ("num_blocks", "seq_len", "dtype", "tokenizer", "vocab_size", "eos_id", "pad_id",
                "seed", "source", "content_hash", "multiset_hash")
@@ -159,3 +159,13 @@ def test_bad_arguments_are_one_line_errors(demo_db, tmp_path, flags, fragment):
                       cwd=tmp_path)
     assert_user_error(proc, fragment)
     assert not (tmp_path / "out").exists() or os.listdir(tmp_path / "out") == []
+
+
+def test_another_tokenizer_than_the_tables_is_refused(demo_db, tmp_path):
+    import build_packed_datasets
+
+    save_bpe(tmp_path / "bpe", ["some text to learn merges from"] * 5, ["[SEP]"], sep_token="[SEP]")
+    with pytest.raises(UserError, match="was tokenized with 'byte'.*pass --tokenizer byte"):
+        build_packed_datasets.build(demo_db, "corpus", str(tmp_path / "out"), seq_len=64,
+                                    tokenizer_spec=f"hf:{tmp_path / 'bpe'}")
+    assert not (tmp_path / "out").exists()
