@@ -161,9 +161,13 @@ def test_resume_from_a_bad_file(checkpoint, tmp_path, out, capsys, content, frag
 @pytest.mark.parametrize("flags,fragment", [
     (["--model", "small"], "model='tiny'"),
     (["--seq-len", "64"], "seq_len=32"),
+    (["--tokenizer", "BPE"], "tokenizer='byte'"),  # another vocabulary
 ])
-def test_resume_into_another_model(checkpoint, out, capsys, flags, fragment):
+def test_resume_into_another_model(checkpoint, tmp_path, out, capsys, flags, fragment):
     db, ck = checkpoint
+    if "BPE" in flags:
+        save_bpe(tmp_path / "bpe", ["text to learn a few merges from"] * 5, ["[SEP]"], sep_token="[SEP]")
+        flags = ["--tokenizer", f"hf:{tmp_path / 'bpe'}"]
     fails(capsys, ["--db", db, *FAST, "--steps", "4", "--resume", ck / "step_00000002.pt", *flags, *out],
           "cannot resume", fragment)
 
