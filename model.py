@@ -6,6 +6,7 @@ to read and easy to compare against the reference. There is no dropout: training
 must be deterministic so that a resumed run matches an uninterrupted one bit for bit.
 """
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -47,16 +48,70 @@ class CausalSelfAttention(nn.Module):
         # output projection back into the residual stream
         self.c_proj = nn.Linear(cfg.d_model, cfg.d_model)
 
-    def forward(self, x):
+    def forward(self, x, doc_mask=None):
+        """`doc_mask`: None for plain causal attention, else what `document_mask` built
+        (a FlexAttention BlockMask, or a (B, 1, T, T) boolean mask for SDPA)."""
         B, T, C = x.size()  # batch, sequence length, d_model
         q, k, v = self.c_attn(x).split(self.d_model, dim=2)  # each (B, T, C)
         hs = C // self.n_head
         q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        if doc_mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        elif isinstance(doc_mask, torch.Tensor):
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=doc_mask)
+        else:
+            y = flex_attention(q, k, v, block_mask=doc_mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.c_proj(y)
+
+
+def flex_attention(q, k, v, block_mask):
+    """FlexAttention runs fused only when compiled: inside a torch.compile'd model the
+    plain function is traced into the model's graph, in eager mode it is compiled once
+    on first use (not at import: that would load the compiler into every process)."""
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    if torch.compiler.is_compiling():
+        return flex(q, k, v, block_mask=block_mask)
+    return _compiled_flex_attention()(q, k, v, block_mask=block_mask)
+
+
+@functools.cache
+def _compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    return torch.compile(flex, dynamic=False)
+
+
+def segment_positions(doc_ids):
+    """Position ids that restart at 0 where `doc_ids` changes: (B, T) -> (B, T)."""
+    T = doc_ids.size(1)
+    idx = torch.arange(T, device=doc_ids.device).expand_as(doc_ids)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return idx - torch.where(starts, idx, 0).cummax(dim=1).values
+
+
+def document_mask(doc_ids, flex=None):
+    """Causal attention within one document segment of each packed row.
+
+    On CUDA (or `flex=True`) a FlexAttention BlockMask, which also lets the kernel skip
+    the blocks no query may see; elsewhere an explicit (B, 1, T, T) boolean mask for SDPA.
+    """
+    B, T = doc_ids.shape
+    if not (doc_ids.device.type == "cuda" if flex is None else flex):
+        causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+        same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
+        return (same_doc & causal)[:, None]
+
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def doc_causal(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+
+    return create_block_mask(doc_causal, B, None, T, T, device=doc_ids.device)
 
 
 class MLP(nn.Module):
@@ -84,8 +139,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg)
 
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x, doc_mask=None):
+        x = x + self.attn(self.ln_1(x), doc_mask)
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -128,30 +183,46 @@ class GPT(nn.Module):
             n -= self.transformer.wpe.weight.numel()
         return n
 
-    def logits(self, input_ids):
-        """Next-token logits for every position, (B, T) -> (B, T, vocab_size)."""
+    def logits(self, input_ids, doc_ids=None):
+        """Next-token logits for every position, (B, T) -> (B, T, vocab_size).
+
+        `doc_ids` (B, T), the packed loader's document index per position: each
+        document segment of a row then attends only within itself and its positions
+        restart at 0, so a packed row gives exactly the logits of its segments run
+        one by one. None: one causal sequence per row (the reference's behaviour).
+        """
         B, T = input_ids.size()
         if T > self.cfg.seq_len:
             raise ValueError(
                 f"input has {T} tokens but the model's seq_len is {self.cfg.seq_len}"
             )
-        pos = torch.arange(T, dtype=torch.long, device=input_ids.device)  # (T,)
+        if doc_ids is None:
+            pos = torch.arange(T, dtype=torch.long, device=input_ids.device)  # (T,)
+            doc_mask = None
+        else:
+            if doc_ids.shape != input_ids.shape:
+                raise ValueError(
+                    f"doc_ids shape {tuple(doc_ids.shape)} does not match "
+                    f"input_ids shape {tuple(input_ids.shape)}"
+                )
+            pos = segment_positions(doc_ids)  # (B, T)
+            doc_mask = document_mask(doc_ids)
         tok_emb = self.transformer.wte(input_ids)  # (B, T, C)
-        pos_emb = self.transformer.wpe(pos)  # (T, C)
+        pos_emb = self.transformer.wpe(pos)  # (T, C) or (B, T, C)
         x = tok_emb + pos_emb  # (B, T, C)
         for block in self.transformer.h:
-            x = block(x)
+            x = block(x, doc_mask)
         x = self.transformer.ln_f(x)
         return self.lm_head(x)  # (B, T, vocab_size)
 
-    def forward(self, input_ids, loss_mask):
+    def forward(self, input_ids, loss_mask, doc_ids=None):
         """Mean next-token cross-entropy over the positions whose target is a real token."""
         if loss_mask.shape != input_ids.shape:
             raise ValueError(
                 f"loss_mask shape {tuple(loss_mask.shape)} does not match "
                 f"input_ids shape {tuple(input_ids.shape)}"
             )
-        logits = self.logits(input_ids)[:, :-1]  # (B, T-1, vocab_size)
+        logits = self.logits(input_ids, doc_ids)[:, :-1]  # (B, T-1, vocab_size)
         targets = input_ids[:, 1:]  # (B, T-1)
         mask = loss_mask[:, 1:].float()  # (B, T-1)
         # float32 cross-entropy even under autocast: bf16 log-softmax over a big vocab is lossy

@@ -78,7 +78,7 @@ PEAK_BF16_FLOPS = (
 CKPT_NAME = re.compile(r"^step_(\d{8})\.pt$")
 
 # Settings that fix the sample order or the model: a resume must not change them.
-RESUME_INVARIANTS = ("num_splits", "shuffle_seed", "seq_len", "pack", "tokenizer",
+RESUME_INVARIANTS = ("num_splits", "shuffle_seed", "seq_len", "pack", "doc_mask", "tokenizer",
                      "model", "min_score", "global_batch", "data")
 
 
@@ -102,6 +102,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="sequence packing in the loader: EOS-joined fixed-length blocks; "
         "resumable across world sizes",
+    )
+    p.add_argument(
+        "--doc-mask",
+        action="store_true",
+        help="with --pack: each document of a packed block attends only within itself and "
+        "its positions restart at 0 (FlexAttention on CUDA), from the loader's doc_ids",
     )
     p.add_argument(
         "--transform-queue-depth",
@@ -238,6 +244,9 @@ def check_args(args, world_size: int) -> int:
                         ("--transform-queue-depth", args.transform_queue_depth)):
         if value < 0:
             raise UserError(f"{flag} must not be negative (got {value})")
+    if args.doc_mask and not args.pack:
+        raise UserError("--doc-mask needs --pack: only the loader's packed blocks carry the "
+                        "document boundaries (doc_ids) it masks by")
     if args.blocks_mode != "off":
         if not args.blocks_path:
             raise UserError(f"--blocks-mode {args.blocks_mode} needs --blocks-path: the "
@@ -382,9 +391,10 @@ def interleave_workers(loader, num_workers: int, splits_per_worker: int):
                for key in group[0]}
 
 
-def batch_loss(trainable, batch, device, tok):
+def batch_loss(trainable, batch, device, tok, doc_mask: bool = False):
     """Mean next-token loss of a batch and its real-token count. Ids outside the
-    vocabulary are refused here, on the CPU, where a GPU would die in a device assert."""
+    vocabulary are refused here, on the CPU, where a GPU would die in a device assert.
+    With `doc_mask`, a packed batch's doc_ids keep its documents apart."""
     input_ids = batch["input_ids"]
     lowest, highest = (int(x) for x in torch.aminmax(input_ids)) if input_ids.numel() else (0, 0)
     if lowest < 0 or highest >= tok.vocab_size:
@@ -396,8 +406,9 @@ def batch_loss(trainable, batch, device, tok):
         mask = batch["loss_mask"].to(device, non_blocking=True)
     else:  # packed blocks carry doc_ids; pads are identified by id
         mask = input_ids != tok.pad_token_id
+    doc_ids = batch["doc_ids"].to(device, non_blocking=True) if doc_mask else None
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        return trainable(input_ids, mask), mask.sum()
+        return trainable(input_ids, mask, doc_ids), mask.sum()
 
 
 def evaluate(model, args, table, rank, world_size, device, tok) -> float | None:
@@ -776,7 +787,7 @@ def run_config(args, num_splits: int, global_batch: int, data: str) -> dict:
     """The settings a checkpoint pins. global_batch counts the samples of one optimizer
     step, so a resume may trade --batch-size, ranks and --grad-accum against each other."""
     return dict(num_splits=num_splits, shuffle_seed=args.shuffle_seed, seq_len=args.seq_len,
-                pack=args.pack, tokenizer=args.tokenizer, model=args.model,
+                pack=args.pack, doc_mask=args.doc_mask, tokenizer=args.tokenizer, model=args.model,
                 min_score=args.min_score, global_batch=global_batch * args.grad_accum, data=data)
 
 
@@ -833,7 +844,8 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
     if is_main:
         print(
             f"model={args.model} params={model.num_params():,} pack={args.pack} "
-            f"world_size={world_size} global_batch={global_batch} "
+            + ("doc_mask=True " if args.doc_mask else "")
+            + f"world_size={world_size} global_batch={global_batch} "
             f"num_splits={num_splits} compile={args.compile} "
             f"num_workers={args.num_workers}"
             + (f" blocks_mode={args.blocks_mode}" if args.blocks_mode != "off" else "")
@@ -904,8 +916,8 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
 
     def save(epoch: int, ds, batch) -> None:
         nonlocal nonfinite
-        with torch.no_grad():  # the weights about to be saved, on the last batch: a
-            probe, _ = batch_loss(model, batch, device, tok)  # step can leave them unusable
+        with torch.no_grad():  # the weights about to be saved, on the last batch:
+            probe, _ = batch_loss(model, batch, device, tok, args.doc_mask)  # a step can wreck them
         nonfinite = nonfinite + ~torch.isfinite(probe)
         seen = checked_tokens()
         rank_payload = {"dataset": ds.state_dict() if ds is not None else None, "epoch": epoch,
@@ -947,7 +959,7 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
             else contextlib.nullcontext()
         )
         with ctx:
-            loss, real_tokens = batch_loss(trainable, batch, device, tok)
+            loss, real_tokens = batch_loss(trainable, batch, device, tok, args.doc_mask)
             (loss / args.grad_accum).backward()
         micro += 1
         tokens += real_tokens  # device accumulators: no per-step sync

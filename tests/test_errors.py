@@ -107,6 +107,7 @@ def test_fewer_training_rows_than_splits(small_db, out, capsys):
     (["--num-splits", "3"], "must be a multiple of num_splits (3)"),
     (["--tokenizer", "hf:surely-not-a-cached-model"], "hf:surely-not-a-cached-model"),
     (["--blocks-per-epoch", "many", "--pack"], "--blocks-per-epoch must be an integer"),
+    (["--doc-mask"], "--doc-mask needs --pack"),
 ])
 def test_bad_flags(small_db, out, capsys, flags, fragment):
     fails(capsys, ["--db", small_db, *FAST, *flags, *out], fragment)

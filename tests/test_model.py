@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import MODEL_SIZES, GPTConfig, make_model
+from model import MODEL_SIZES, GPTConfig, document_mask, make_model, segment_positions
 
 GPT2_VOCAB = 50257
 
@@ -146,3 +146,74 @@ def test_tiny_learns_a_fixed_batch():
         losses.append(loss.item())
     assert losses[0] == pytest.approx(torch.log(torch.tensor(256.0)).item(), abs=0.3)
     assert losses[-1] < 0.7 * losses[0]
+
+
+# ── Document masking (--doc-mask) ────────────────────────────────────────────────────
+
+def packed_doc_ids(lengths, T):
+    """doc_ids as lancedb's packer makes them: segment k spans lengths[k] positions,
+    and a padded tail continues the last segment."""
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    return torch.cat([ids, ids[-1].repeat(T - len(ids))])
+
+
+@pytest.mark.parametrize("layouts", [
+    [[64], [1, 63]],                          # one document; a 1-token segment first
+    [[10, 15, 39], [5, 5, 5, 5, 44]],         # several segments per row
+    [[30, 2, 1, 20], [63]],                   # short segments, then a padded tail
+])
+def test_packed_row_gives_the_logits_of_its_segments_run_alone(layouts):
+    """The property --doc-mask promises: packing changes nothing a document can see."""
+    T = 64
+    model = tiny_model(seq_len=T).eval()
+    torch.manual_seed(1)
+    input_ids = torch.randint(0, 256, (len(layouts), T))
+    doc_ids = torch.stack([packed_doc_ids(lengths, T) for lengths in layouts])
+    with torch.no_grad():
+        packed = model.logits(input_ids, doc_ids)
+        for b, lengths in enumerate(layouts):
+            start = 0
+            for length in lengths:
+                alone = model.logits(input_ids[b:b + 1, start:start + length])[0]
+                torch.testing.assert_close(packed[b, start:start + length], alone, rtol=1e-5, atol=1e-5)
+                start += length
+
+
+def test_without_doc_ids_the_model_is_the_plain_causal_one():
+    """doc_ids=None takes the reference's path (causal SDPA, positions 0..T-1); a single
+    segment spanning the row computes the same thing through the explicit mask."""
+    model = tiny_model().eval()
+    input_ids = torch.randint(0, 256, (2, 64))
+    with torch.no_grad():
+        plain = model.logits(input_ids)
+        assert torch.equal(model.logits(input_ids, None), plain)
+        torch.testing.assert_close(model.logits(input_ids, torch.zeros_like(input_ids)), plain,
+                                   rtol=1e-5, atol=1e-5)
+    mask = torch.ones_like(input_ids, dtype=torch.bool)
+    assert torch.equal(model(input_ids, mask), model(input_ids, mask, None))
+
+
+def test_segment_positions_restart_at_each_document():
+    doc_ids = torch.stack([packed_doc_ids([3, 2, 3], 8), packed_doc_ids([8], 8)])
+    assert segment_positions(doc_ids).tolist() == [[0, 1, 2, 0, 1, 0, 1, 2], list(range(8))]
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_block_mask_allows_what_the_sdpa_mask_allows():
+    """The CUDA path's FlexAttention BlockMask and the CPU path's boolean mask agree
+    (FlexAttention run eagerly on the CPU here)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    T = 128
+    doc_ids = torch.stack([packed_doc_ids([40, 1, 50, 37], T), packed_doc_ids([128], T)])
+    torch.manual_seed(2)
+    q, k, v = torch.randn(3, 2, 4, T, 16).unbind(0)
+    flex = flex_attention(q, k, v, block_mask=document_mask(doc_ids, flex=True))
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(doc_ids, flex=False))
+    torch.testing.assert_close(flex, sdpa, rtol=1e-5, atol=1e-5)
+
+
+def test_doc_ids_of_another_shape_are_refused():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="doc_ids shape"):
+        model.logits(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 7, dtype=torch.long))

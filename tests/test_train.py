@@ -272,3 +272,21 @@ def test_metrics_file_has_a_record_per_log_step_and_plots(demo_db, tmp_path, cap
     png = tmp_path / "runs" / "loss.png"
     plot_metrics.main([str(metrics), "--out", str(png)])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_doc_mask_reaches_the_model_and_is_pinned(demo_db, tmp_path, capsys):
+    """--doc-mask changes what the model computes on packed blocks (their documents no
+    longer see each other), is recorded in the checkpoint, and a resume may not drop it."""
+    def run(name, *flags):
+        ck = tmp_path / name
+        train.main(["--db", demo_db, *FAST, "--pack", "--steps", "2", "--ckpt-dir", str(ck), *flags])
+        return [float(x) for x in LOSS.findall(capsys.readouterr().out)], ck
+
+    masked, ck = run("masked", "--doc-mask")
+    plain, _ = run("plain")
+    assert len(masked) == len(plain) == 1 and masked != plain  # same blocks, other attention
+    assert torch.load(ck / "step_00000002.pt", weights_only=True)["config"]["doc_mask"] is True
+    with pytest.raises(SystemExit):
+        train.main(["--db", demo_db, *FAST, "--pack", "--steps", "4", "--ckpt-dir", str(ck),
+                    "--resume", "auto"])
+    assert "doc_mask=True" in capsys.readouterr().err
