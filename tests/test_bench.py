@@ -1,7 +1,8 @@
-"""bench/: the loader benchmark end to end on a small corpus (no timing asserted), and the stdlib corpus."""
+"""bench/: the loader and learning benchmarks end to end on a small corpus (no timing asserted), and the stdlib corpus."""
 
 import itertools
 import json
+import math
 from collections import Counter
 
 import pytest
@@ -58,3 +59,27 @@ def test_stdlib_corpus_writes_one_scored_line_per_source_file(tmp_path):
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(lines) > 100 and all(d["score"] == 2.0 and isinstance(d["text"], str) for d in lines)
     assert any("def " in d["text"] for d in lines)
+
+
+def test_learning_quick_trains_every_variant_on_the_same_budget(blocks, tmp_path):
+    root, db = blocks
+    out = tmp_path / "learning.json"
+    proc = run_script("bench/learning.py", "--quick", "--db", db, "--table", "corpus", "--out", out,
+                      cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert {"machine", "settings", "results", "recommendation"} <= data.keys()
+    settings = data["settings"]
+    assert settings["budget_positions"] == settings["steps"] * settings["batch_size"] * settings["seq_len"]
+    results = {r["variant"]: r for r in data["results"]}
+    assert list(results) == ["row", "pack", "pack+doc-mask"]
+    for name, r in results.items():
+        assert len(r["runs"]) == len(settings["seeds"]) == 1, name
+        assert all(math.isfinite(run["val_loss"]) for run in r["runs"]), name
+        assert r["val_loss_min"] <= r["val_loss_mean"] <= r["val_loss_max"] and r["tokens_per_s"] > 0, name
+        assert r["real_tokens"] <= settings["budget_positions"], name
+        assert f"{name} seed 1: val " in proc.stderr
+    assert results["row"]["pad_share"] > results["pack"]["pad_share"] >= 0  # short documents pad their rows
+    assert (tmp_path / "learning.png").stat().st_size > 0
+    assert "val loss mean" in proc.stdout and "pad share" in proc.stdout
+    assert f"recommendation: {data['recommendation']}" in proc.stdout
