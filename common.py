@@ -118,6 +118,20 @@ def corpus_filter(min_score: float, split_filter: str) -> str:
     return f"NOT is_dup AND score >= {min_score} AND ({split_filter})"
 
 
+def atomic_write(path: str, write: Callable[[str], None]) -> None:
+    """`write(tmp)`, then rename over `path`: the file is complete or absent. A write that
+    fails (a full disk, a read-only directory) is a UserError and leaves no temp file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise UserError(f"cannot write {path!r}: {e.strerror or e}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def write_stream(write: Callable, schema: pa.Schema, batches) -> None:
     """Call `write(reader)` (a lance create_table / add) on a stream of record batches.
 

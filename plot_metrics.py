@@ -25,7 +25,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
-from common import UserError
+from common import UserError, atomic_write
 
 # Suffixes for token counts and rates, largest first.
 _SCALES = [(1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")]
@@ -231,15 +231,7 @@ def plot(paths: list[str], out: str, title: str | None = None) -> int:
     if title:
         fig.suptitle(title)
 
-    tmp = f"{out}.tmp{os.getpid()}"  # temp + rename: `out` is complete or absent
-    try:
-        fig.savefig(tmp, format=fmt, dpi=110)
-        os.replace(tmp, out)
-    except OSError as e:
-        raise UserError(f"cannot write {out!r}: {e.strerror or e}") from None
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    atomic_write(out, lambda tmp: fig.savefig(tmp, format=fmt, dpi=110))
     return sum(len(run["train"]) for run in runs)
 
 

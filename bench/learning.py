@@ -57,7 +57,8 @@ sys.path.insert(0, REPO)  # bench/ is not a package: import the project's module
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # and loaders.machine_info
 
 import train  # noqa: E402
-from common import DEFAULT_TABLE, TRAIN_FILTER, VAL_FILTER, UserError, connect_table, table_tokenizer  # noqa: E402
+from common import (DEFAULT_TABLE, TRAIN_FILTER, VAL_FILTER, UserError, atomic_write, connect_table,  # noqa: E402
+                    table_tokenizer)
 from loaders import machine_info  # noqa: E402
 
 VARIANTS = {"row": [], "pack": ["--pack"], "pack+doc-mask": ["--pack", "--doc-mask"]}
@@ -201,19 +202,6 @@ def draw(results: list[dict], machine: dict, opts, path: str) -> None:
                  f"positions per run, {opts.seeds} seed(s); {machine['cpu']} ({machine['affinity']} cores, "
                  f"gpu: {machine['gpu']})", fontsize=9)
     atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
-
-
-def atomic_write(path: str, write) -> None:
-    """`write(tmp)`, then rename: `path` is complete or absent."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except OSError as e:
-        raise UserError(f"cannot write {path!r}: {e.strerror or e}") from None
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def write_json(path: str, data: dict) -> None:
