@@ -985,16 +985,17 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
                 dt = time.perf_counter() - t_last
                 tps = (opt_step - step_last) * global_batch * args.grad_accum * args.seq_len / dt
                 mfu = fpt * tps / (world_size * peak) if peak else None
+                stats = loader_stats(ds)
                 print(
                     f"{tag}epoch {epoch} step {opt_step}/{total_steps} | "
                     f"loss {loss.item():.4f} | {tps:,.0f} tok/s | "
-                    f"mfu {'n/a' if mfu is None else f'{mfu:.1%}'}{format_loader_stats(ds)}",
+                    f"mfu {'n/a' if mfu is None else f'{mfu:.1%}'}{format_loader_stats(stats)}",
                     flush=True,
                 )
                 if metrics:
                     metrics.write("train", step=opt_step, epoch=epoch, loss=loss.item(),
                                   lr=opt.param_groups[0]["lr"], tokens_per_s=tps, mfu=mfu,
-                                  tokens_seen=seen, loader=loader_stats(ds))
+                                  tokens_seen=seen, loader=stats)
                 t_last, step_last = time.perf_counter(), opt_step
 
         if opt_step % args.ckpt_every == 0:
@@ -1030,8 +1031,7 @@ def loader_stats(ds) -> dict | None:
                 fetch_s=round(ds.fetch_time, 3), transform_s=round(ds.transform_time, 3))
 
 
-def format_loader_stats(ds) -> str:
-    stats = loader_stats(ds)
+def format_loader_stats(stats: dict | None) -> str:
     if stats is None:
         return ""
     return (f" | q {stats['unscanned_rows']}/{stats['raw_queue_depth']}/"
