@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+import storage
 from common import UserError, is_remote
 
 FORMATS = ("lance", "mds", "parquet-random", "parquet-seq")
@@ -33,6 +34,7 @@ FORMATS = ("lance", "mds", "parquet-random", "parquet-seq")
 MODE_FORMAT = {"lance": "lance", "mosaic": "mds", "parquet-random": "parquet-random",
                "parquet-seq": "parquet-seq"}
 MANIFEST = "manifest.json"
+DEFAULT_MOSAIC_CACHE = "~/mosaic_cache"  # the reference's per-node cache of remote MDS shards
 MANIFEST_KEYS = ("format", "num_blocks", "seq_len", "dtype", "tokenizer", "vocab_size",
                  "eos_id", "pad_id", "seed", "source", "content_hash", "multiset_hash")
 
@@ -42,9 +44,7 @@ def read_manifest(path: str, fmt: str | None = None) -> dict:
     file = f"{path.rstrip('/')}/{MANIFEST}"
     try:
         if is_remote(path):
-            import pyarrow.fs as pafs
-
-            fs, inner = pafs.FileSystem.from_uri(file)
+            fs, inner = storage.filesystem(file)
             with fs.open_input_stream(inner) as f:
                 manifest = json.loads(f.read())
         else:
@@ -54,6 +54,11 @@ def read_manifest(path: str, fmt: str | None = None) -> dict:
         if not is_remote(path) and not os.path.isdir(path):
             raise UserError(f"no blocks at {path!r}; build them with "
                             f"`python build_packed_datasets.py --db DIR --table NAME --out DIR`") from None
+        if storage.describe(e, path):
+            raise UserError(storage.describe(e, path)) from None
+        if storage.bucket_missing(path):
+            raise UserError(f"the bucket of {path!r} does not exist at "
+                            f"{storage.endpoint_url() or 'the default AWS endpoint'}") from None
         raise UserError(f"{path!r} has no readable {MANIFEST} ({type(e).__name__}): it was not "
                         f"written by build_packed_datasets.py, or the build did not finish") from None
     except json.JSONDecodeError as e:
@@ -119,9 +124,7 @@ class _ParquetBlocks(IterableDataset):
         """A function file index -> ParquetFile that opens each file once per iterator."""
         fs = root = None
         if is_remote(self.path):
-            import pyarrow.fs as pafs
-
-            fs, root = pafs.FileSystem.from_uri(self.path)
+            fs, root = storage.filesystem(self.path)
         cache: dict[int, pq.ParquetFile] = {}
 
         def open_file(f: int) -> pq.ParquetFile:
@@ -243,11 +246,9 @@ BASELINE_MODES = tuple(DEFAULT_WORKERS)  # the --blocks-mode values BlocksEpochs
 
 def open_lance_blocks(path: str):
     """(table, manifest) of OUT/lance: the LanceDB table `blocks` and its manifest."""
-    import lancedb
-
     manifest = read_manifest(path, "lance")
     try:
-        return lancedb.connect(path).open_table("blocks"), manifest
+        return storage.connect(path).open_table("blocks"), manifest
     except (ValueError, FileNotFoundError) as e:
         raise UserError(f"{path!r} has a manifest but no table 'blocks' ({e}); "
                         f"rebuild it with build_packed_datasets.py") from None
@@ -262,33 +263,43 @@ def blocks_to_samples(batch, seq_len: int) -> list[dict]:
     return [{"input_ids": row} for row in torch.from_numpy(ids.astype(np.int64))]
 
 
-def mosaic_blocks(path: str, *, batch_size: int, seed: int):
+def mosaic_cache_dir(cache_root: str, manifest: dict) -> str:
+    """Where a node keeps the shards of remote MDS blocks: one directory per content hash,
+    so a rebuilt dataset at the same URI never mixes with shards cached from the old one."""
+    return os.path.join(os.path.expanduser(cache_root), manifest["content_hash"][:16])
+
+
+def mosaic_blocks(path: str, *, batch_size: int, seed: int, cache_root: str = DEFAULT_MOSAIC_CACHE):
     """MosaicML StreamingDataset over OUT/mds, set up as the reference did.
 
     Imported here only: MosaicML is needed for --blocks-mode mosaic and nothing
     else. It reads rank and world size from torchrun's environment, and keeps
     its sample order fixed across topologies through num_canonical_nodes=8. A
-    remote path is cached once per node under ~/mosaic_cache. Shared memory that
-    a killed run left behind (`FileExistsError`) is reported, not cleared: Mosaic's
-    cleaner would also unlink the shared memory of live runs on this machine.
+    remote path is cached once per node (`mosaic_cache_dir`): the node's local
+    ranks share that directory, and Mosaic lets one of them download each shard
+    (to a temp name, then renamed) while the others wait for it. Shared memory that
+    a killed run left behind is reported, not cleared: Mosaic's cleaner would also
+    unlink the shared memory of live runs on this machine.
     """
-    import hashlib
-
     from streaming import StreamingDataset
 
-    read_manifest(path, "mds")
+    manifest = read_manifest(path, "mds")
     kwargs = dict(batch_size=batch_size, shuffle=True, shuffle_seed=seed, num_canonical_nodes=8)
     if is_remote(path):
-        digest = hashlib.md5(path.encode()).hexdigest()[:8]
-        kwargs.update(remote=path, local=os.path.expanduser(f"~/mosaic_cache/{digest}"))
+        kwargs.update(remote=path, local=mosaic_cache_dir(cache_root, manifest))
     else:
         kwargs.update(local=path)
+    stale = ("MosaicML shared memory of an earlier run is in the way ({}); if no other Mosaic run is "
+             "live on this machine, clear it with `python -c 'from streaming.base.util import "
+             "clean_stale_shared_memory as c; c()'`")
     try:
         return StreamingDataset(**kwargs)
     except FileExistsError as e:
-        raise UserError(f"MosaicML shared memory of an earlier run is in the way ({e.filename}); if no "
-                        f"other Mosaic run is live on this machine, clear it with `python -c 'from "
-                        f"streaming.base.util import clean_stale_shared_memory as c; c()'`") from None
+        raise UserError(stale.format(e.filename)) from None
+    except ValueError as e:
+        if "Reused local directory" not in str(e):
+            raise
+        raise UserError(stale.format(f"another dataset holds the cache {kwargs['local']}")) from None
 
 
 class BlocksEpochs:
@@ -299,7 +310,8 @@ class BlocksEpochs:
     """
 
     def __init__(self, mode: str, path: str, *, rank: int, world_size: int, batch_size: int,
-                 seed: int, num_workers: int, mp_context: str, pin_memory: bool = False):
+                 seed: int, num_workers: int, mp_context: str, pin_memory: bool = False,
+                 mosaic_cache: str = DEFAULT_MOSAIC_CACHE):
         from torch.utils.data import DataLoader
 
         if mode not in BASELINE_MODES:
@@ -313,7 +325,7 @@ class BlocksEpochs:
         if mode == "mosaic":
             from streaming import StreamingDataLoader
 
-            self.dataset = mosaic_blocks(path, batch_size=batch_size, seed=seed)
+            self.dataset = mosaic_blocks(path, batch_size=batch_size, seed=seed, cache_root=mosaic_cache)
             self.loader = StreamingDataLoader(self.dataset, **loader_kwargs)
             self.blocks_per_rank = -(-self.manifest["num_blocks"] // world_size)
         else:

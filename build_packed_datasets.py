@@ -48,6 +48,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+import storage
 from blocks_loaders import FORMATS, MANIFEST
 from common import (
     DEFAULT_DB,
@@ -78,21 +79,12 @@ def to_record_batch(chunk: np.ndarray, schema: pa.Schema) -> pa.RecordBatch:
     return pa.record_batch([pa.FixedSizeListArray.from_arrays(flat, seq_len)], schema=schema)
 
 
-def output_fs(uri: str):
-    """(filesystem, path) for a local directory or an object-store URI."""
-    import pyarrow.fs as pafs
-
-    if is_remote(uri):
-        return pafs.FileSystem.from_uri(uri)
-    return pafs.LocalFileSystem(), os.path.abspath(uri)
-
-
 class ParquetBlocksWriter:
     """Blocks -> numbered Parquet files of `blocks_per_file`, row groups of exactly
     `row_group_blocks` (the last of a file may be short), as the loaders assume."""
 
     def __init__(self, directory: str, schema: pa.Schema, blocks_per_file: int, row_group_blocks: int):
-        self.fs, self.root = output_fs(directory)
+        self.fs, self.root = storage.filesystem(directory)
         self.fs.create_dir(self.root, recursive=True)
         self.schema, self.per_file, self.per_group = schema, blocks_per_file, row_group_blocks
         self.files: list[dict] = []
@@ -192,9 +184,23 @@ def staging_dir(out: str, fmt: str) -> str:
     return os.path.join(out, f".{fmt}.partial-{os.getpid()}")
 
 
+def format_exists(out: str, fmt: str) -> bool:
+    """Whether OUT/FMT holds anything (locally a directory; remotely any object under it)."""
+    if not is_remote(out):
+        return os.path.exists(os.path.join(out, fmt))
+    import pyarrow.fs as pafs
+
+    fs, root = storage.filesystem(f"{out.rstrip('/')}/{fmt}")
+    try:
+        info = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True, recursive=False))
+    except OSError as e:
+        raise UserError(storage.describe(e, out) or f"cannot list {out!r}: {storage.first_line(e)}") from None
+    return bool(info)
+
+
 def publish(out: str, fmt: str, staged: str, manifest: dict, overwrite: bool) -> None:
     """Write the manifest last, then move a local build into OUT/FMT."""
-    fs, root = output_fs(staged)
+    fs, root = storage.filesystem(staged)
     with fs.open_output_stream(f"{root}/{MANIFEST}") as f:
         f.write(json.dumps(manifest, indent=2).encode())
     if is_remote(out):
@@ -228,10 +234,9 @@ def build(db: str, table: str, out: str, *, formats=FORMATS, seq_len: int = 1024
                         ("--seq-row-group-blocks", seq_row_group_blocks)):
         if value < 1:
             raise UserError(f"{flag} must be at least 1 (got {value})")
-    if not is_remote(out):
-        for fmt in formats:
-            if os.path.exists(os.path.join(out, fmt)) and not overwrite:
-                raise UserError(f"{os.path.join(out, fmt)} already exists; pass --overwrite to replace it")
+    for fmt in formats:
+        if format_exists(out, fmt) and not overwrite:
+            raise UserError(f"{out.rstrip('/')}/{fmt} already exists; pass --overwrite to replace it")
     tok = load_tokenizer(tokenizer_spec)
     tbl = connect_table(db, table)
     check_table_tokenizer(tbl, tok, f"the table {table!r} in {db!r}")
@@ -242,6 +247,11 @@ def build(db: str, table: str, out: str, *, formats=FORMATS, seq_len: int = 1024
         raise UserError(f"{docs} documents ({tokens:,} tokens with EOS) pass {where!r}: "
                         f"not one {seq_len}-token block; lower --min-score or --seq-len, or add data")
 
+    if is_remote(out):  # written in place: clear what --overwrite replaces first
+        for fmt in formats:
+            if format_exists(out, fmt):
+                fs, root = storage.filesystem(staging_dir(out, fmt))
+                fs.delete_dir(root)
     start = time.perf_counter()
     schema = blocks_schema(seq_len)
     staged = {fmt: staging_dir(out, fmt) for fmt in formats}
@@ -271,9 +281,7 @@ def build(db: str, table: str, out: str, *, formats=FORMATS, seq_len: int = 1024
                     yield to_record_batch(chunk, schema)
 
         if "lance" in formats:
-            import lancedb
-
-            write_stream(lambda reader: lancedb.connect(staged["lance"]).create_table(
+            write_stream(lambda reader: storage.connect(staged["lance"]).create_table(
                 "blocks", data=reader, schema=schema), schema, chunks())
         else:
             for _ in chunks():
@@ -329,12 +337,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-row-group-blocks", type=int, default=256,
                    help="blocks per row group of parquet-seq")
     p.add_argument("--overwrite", action="store_true", help="replace formats already in --out")
+    storage.add_argument(p)
     return p.parse_args(argv)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     try:
+        storage.configure(args.storage_option)
         build(args.db, args.table, args.out, formats=[f.strip() for f in args.formats.split(",") if f.strip()],
               seq_len=args.seq_len, seed=args.seed, tokenizer_spec=args.tokenizer,
               min_score=args.min_score, blocks_per_file=args.blocks_per_file,

@@ -57,20 +57,20 @@ def is_remote(uri: str) -> bool:
 
 def connect_table(db: str, table: str):
     """Open `table` in `db`, checking it has the columns training reads."""
-    import lancedb  # deferred: importing lancedb costs ~1 s and `--help` should not pay it
+    import storage
 
     if not is_remote(db) and not os.path.isdir(db):
         raise UserError(
             f"no LanceDB database at {db!r}; create one with "
             f"`python prepare_data.py INPUT --db {db} --table {table}`"
         )
+    conn = storage.connect(db)
     try:
-        tbl = lancedb.connect(db).open_table(table)
-    except (ValueError, FileNotFoundError) as e:
-        raise UserError(
+        tbl = conn.open_table(table)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        raise UserError(storage.describe(e, db) or 
             f"table {table!r} not found in {db!r} ({e}); create it with "
-            f"`python prepare_data.py INPUT --db {db} --table {table}`"
-        ) from None
+            f"`python prepare_data.py INPUT --db {db} --table {table}`") from None
     schema = tbl.schema
     for name, (what, ok) in _TRAIN_COLUMNS.items():
         if name not in schema.names:

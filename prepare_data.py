@@ -59,6 +59,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+import storage
 from common import (CORPUS_SCHEMA, DEFAULT_DB, DEFAULT_TABLE, UserError, check_table_tokenizer,
                     corpus_schema, is_remote, load_tokenizer, write_stream)
 
@@ -317,13 +318,14 @@ def corpus_batches(docs: Docs, tok, seen: set[bytes], first_id: int, val_fractio
 
 def open_existing(db: str, table: str):
     """The table if it exists, else None; never creates the database directory."""
-    import lancedb  # deferred: importing lancedb costs ~1 s and `--help` should not pay it
-
     if not is_remote(db) and not os.path.isdir(db):
         return None
+    conn = storage.connect(db)
     try:
-        return lancedb.connect(db).open_table(table)
-    except (ValueError, FileNotFoundError):
+        return conn.open_table(table)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        if storage.describe(e, db):  # the store failed, not the lookup
+            raise UserError(storage.describe(e, db)) from None
         return None
 
 
@@ -391,20 +393,18 @@ def commit(db: str, table: str, existing, mode: str, tok,
     the table's own (lance keeps a table's field metadata on add). A failed write removes the
     directories it had created, so no empty db or table directory is left behind.
     """
-    import lancedb
-
     created = created_by_write(db, table)
     try:
         if existing is not None and mode == "append":
             write_stream(existing.add, CORPUS_SCHEMA, batches)
         else:  # a missing table on --mode append is simply created
             schema = corpus_schema(tok)
-            write_stream(lambda reader: lancedb.connect(db).create_table(
+            write_stream(lambda reader: storage.connect(db).create_table(
                 table, data=reader, schema=schema,
                 mode="overwrite" if mode == "overwrite" else "create"), schema, batches)
     except OSError as e:  # input errors arrive as UserError: this is the db itself
         remove_uncommitted(created)
-        raise UserError(f"cannot write table {table!r} in {db!r}: {e}") from None
+        raise UserError(storage.describe(e, db) or f"cannot write table {table!r} in {db!r}: {e}") from None
     except BaseException:
         remove_uncommitted(created)
         raise
@@ -494,6 +494,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--score-field", help="numeric field used as score instead of quality_score")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
                    help="documents per tokenize / write batch")
+    storage.add_argument(p)
     return p.parse_args(argv)
 
 
@@ -502,6 +503,7 @@ def main(argv=None) -> None:
     options = dict(mode=args.mode, val_fraction=args.val_fraction, min_chars=args.min_chars,
                    batch_size=args.batch_size)
     try:
+        storage.configure(args.storage_option)
         if args.demo:
             if args.inputs or args.score_field:
                 raise UserError("--demo takes no INPUT and no --score-field")

@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 import blocks_loaders
+import storage
 from blocks_loaders import MODE_FORMAT
 from common import (
     DEFAULT_DB,
@@ -218,6 +219,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         "pre-shuffled Parquet shards read sequentially (build_packed_datasets.py)",
     )
     p.add_argument("--blocks-path", default="", help="blocks db dir / MDS dir or s3://")
+    p.add_argument("--mosaic-cache", default=blocks_loaders.DEFAULT_MOSAIC_CACHE, metavar="DIR",
+                   help="--blocks-mode mosaic from s3://: where each node caches the shards "
+                   "(one subdirectory per dataset content hash, shared by the node's ranks)")
+    storage.add_argument(p)
     p.add_argument(
         "--blocks-per-epoch",
         default="",
@@ -639,7 +644,7 @@ def open_training_data(args, tok, rank: int, world_size: int, device, num_splits
     baseline = blocks_loaders.BlocksEpochs(
         args.blocks_mode, args.blocks_path, rank=rank, world_size=world_size,
         batch_size=args.batch_size, seed=args.shuffle_seed, num_workers=args.num_workers,
-        mp_context=args.mp_context, pin_memory=device.type == "cuda")
+        mp_context=args.mp_context, pin_memory=device.type == "cuda", mosaic_cache=args.mosaic_cache)
     plan = EpochPlan(num_blocks, None, -(-baseline.blocks_per_rank // args.batch_size))
     return TrainingData(plan, identity, baseline=baseline)
 
@@ -673,6 +678,31 @@ def train_batches(args, data: TrainingData, rank, world_size, device, num_splits
             loader_state = None
         for batch in make_loader(ds, args, device, num_splits // world_size):
             yield epoch, ds, batch
+
+
+class WaitClock:
+    """Wall seconds the training loop spent blocked on its next batch: the share of a
+    log interval spent here says at a glance whether the loader starves the device."""
+
+    def __init__(self):
+        self.waited = 0.0
+
+    def timed(self, batches):
+        """`batches`, with the time each `next` takes added to `waited`; closing it
+        closes `batches` (and so stops their loader workers)."""
+        it = iter(batches)
+        try:
+            while True:
+                start = time.perf_counter()
+                try:
+                    item = next(it)
+                except StopIteration:
+                    return
+                self.waited += time.perf_counter() - start
+                yield item
+        finally:
+            if isinstance(it, Generator):
+                it.close()
 
 
 # ── Checkpoints ───────────────────────────────────────────────────────────────
@@ -944,8 +974,10 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
         return evaluated[opt_step]
 
     done = bool(args.steps) and opt_step >= args.steps
-    batches = () if done else train_batches(args, data, rank, world_size, device, num_splits,
-                                             start_epoch, loader_state)
+    clock = WaitClock()
+    batches = clock.timed(() if done else train_batches(args, data, rank, world_size, device,
+                                                        num_splits, start_epoch, loader_state))
+    waited_last = 0.0
     trace = SampleTrace(args.trace_samples, rank) if args.trace_samples else None
     micro = 0
     for epoch, ds, batch in batches:
@@ -979,24 +1011,27 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
 
         if opt_step % args.log_every == 0:
             seen = checked_tokens()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t_last
+            data_wait = slowest_share(clock.waited - waited_last, dt, world_size, device)
             if is_main:
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                dt = time.perf_counter() - t_last
                 tps = (opt_step - step_last) * global_batch * args.grad_accum * args.seq_len / dt
                 mfu = fpt * tps / (world_size * peak) if peak else None
                 stats = loader_stats(ds)
+                mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
                 print(
                     f"{tag}epoch {epoch} step {opt_step}/{total_steps} | "
                     f"loss {loss.item():.4f} | {tps:,.0f} tok/s | "
-                    f"mfu {'n/a' if mfu is None else f'{mfu:.1%}'}{format_loader_stats(stats)}",
+                    f"mfu {'n/a' if mfu is None else f'{mfu:.1%}'} | data_wait {data_wait:.1%}"
+                    + (f" | mem {mem:.1f} GiB" if mem is not None else "") + format_loader_stats(stats),
                     flush=True,
                 )
                 if metrics:
                     metrics.write("train", step=opt_step, epoch=epoch, loss=loss.item(),
                                   lr=opt.param_groups[0]["lr"], tokens_per_s=tps, mfu=mfu,
-                                  tokens_seen=seen, loader=stats)
-                t_last, step_last = time.perf_counter(), opt_step
+                                  data_wait=data_wait, max_mem_gib=mem, tokens_seen=seen, loader=stats)
+            t_last, step_last, waited_last = time.perf_counter(), opt_step, clock.waited
 
         if opt_step % args.ckpt_every == 0:
             save(epoch, ds, batch)
@@ -1007,8 +1042,7 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
                 print(f"  val loss @ step {opt_step}: {format_val(val, args)}", flush=True)
         if args.steps and opt_step >= args.steps:
             break
-    if isinstance(batches, Generator):
-        batches.close()  # stops loader workers now, not at interpreter exit
+    batches.close()  # stops loader workers now, not at interpreter exit
     if trained and opt_step != last_saved:  # the end of the run is always resumable
         save(epoch, ds, batch)
 
@@ -1020,6 +1054,15 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
             f"val_loss={format_val(val, args)}",
             flush=True,
         )
+
+
+def slowest_share(waited: float, elapsed: float, world_size: int, device: torch.device) -> float:
+    """The largest share of `elapsed` that any rank spent waiting for data: one starved
+    rank stalls every rank at the next gradient all-reduce."""
+    share = torch.tensor(waited / elapsed if elapsed > 0 else 0.0, dtype=torch.float64, device=device)
+    if world_size > 1:
+        dist.all_reduce(share, op=dist.ReduceOp.MAX)
+    return float(share)
 
 
 def loader_stats(ds) -> dict | None:
@@ -1062,6 +1105,7 @@ def main(argv=None) -> None:
     rank, world_size, device = setup_distributed()
     torch.set_float32_matmul_precision("high")
     try:
+        storage.configure(args.storage_option)
         train(args, rank, world_size, device)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
