@@ -1,0 +1,61 @@
+"""bench/gpu_check.py: its --dry-run end to end on the CPU (1 rank, then 2 gloo ranks under
+torchrun; no timing asserted), and its refusals."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import assert_user_error, run_script
+
+
+def test_dry_run_measures_one_then_two_ranks(tmp_path):
+    out = tmp_path / "gpu.json"
+    proc = run_script("bench/gpu_check.py", "--dry-run", "--out", "gpu.json", "--workdir", "work",  # from cwd
+                      cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    header, *rows = [line for line in proc.stdout.splitlines() if line.strip()][:3]
+    assert header.split() == ["cpus", "tok/s", "tok/s/cpu", "scaling", "MFU", "data_wait", "peak", "mem",
+                              "epochs", "wall", "s"]
+    assert [row.split()[0] for row in rows] == ["1", "2"]
+    assert "wrote gpu.json" in proc.stdout
+    assert "building the demo corpus" in proc.stderr  # in the workdir, once, before both runs
+
+    data = json.loads(out.read_text())
+    assert data["settings"]["dry_run"] is True and data["settings"]["steps"] == 6
+    assert data["settings"]["db"] == str(tmp_path / "work" / "data" / "lancedb")
+    assert {"torch", "cuda", "gpu", "gpu_count", "gpu_bf16_peak_tflops"} <= data["machine"].keys()
+    results = data["results"]
+    assert [r["devices"] for r in results] == [1, 2]
+    for r in results:
+        assert r["steps"] == 6 and r["records_used"] == 4, r
+        assert r["tokens_per_s"] > 0 and r["tokens_per_s_per_device"] == pytest.approx(r["tokens_per_s"] / r["devices"])
+        assert 0 <= r["data_wait"] <= 1, r
+        assert r["mfu"] is None and r["peak_mem_gib"] is None, r  # no device peak, no CUDA memory on the CPU
+        assert r["epochs"] == 1 and r["wall_s"] > 0, r
+        assert not (tmp_path / "work" / f"{r['devices']}dev" / "ckpt").exists()  # deleted once read
+    assert results[0]["scaling"] == 1.0
+
+
+def test_a_failing_train_run_fails_the_check_with_its_log_tail(tmp_path):
+    out = tmp_path / "gpu.json"
+    proc = run_script("bench/gpu_check.py", "--dry-run", "--db", tmp_path / "nowhere", "--out", out,
+                      "--workdir", tmp_path / "work", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = proc.stderr.splitlines()
+    assert lines[-1].startswith("error: train.py on 1 cpu(s) exited with 2; its log: "), proc.stderr
+    assert any(line.startswith("error: ") and "nowhere" in line for line in lines[:-1])  # train.py's own line
+    assert "Traceback" not in proc.stderr and not out.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_without_a_gpu_it_points_to_dry_run(tmp_path):
+    proc = run_script("bench/gpu_check.py", "--out", tmp_path / "gpu.json", "--workdir", tmp_path, cwd=tmp_path)
+    assert_user_error(proc, "no CUDA device", "--dry-run")
+    assert not (tmp_path / "gpu.json").exists()
+
+
+def test_too_few_steps_to_measure_is_refused(tmp_path):
+    proc = run_script("bench/gpu_check.py", "--dry-run", "--steps", "2", "--out", tmp_path / "gpu.json",
+                      "--workdir", tmp_path, cwd=tmp_path)
+    assert_user_error(proc, "--steps 2", "at least 3")
