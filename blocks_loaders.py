@@ -56,9 +56,6 @@ def read_manifest(path: str, fmt: str | None = None) -> dict:
                             f"`python build_packed_datasets.py --db DIR --table NAME --out DIR`") from None
         if storage.describe(e, path):
             raise UserError(storage.describe(e, path)) from None
-        if storage.bucket_missing(path):
-            raise UserError(f"the bucket of {path!r} does not exist at "
-                            f"{storage.endpoint_url() or 'the default AWS endpoint'}") from None
         raise UserError(f"{path!r} has no readable {MANIFEST} ({type(e).__name__}): it was not "
                         f"written by build_packed_datasets.py, or the build did not finish") from None
     except json.JSONDecodeError as e:

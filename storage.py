@@ -18,6 +18,7 @@ reached fails the run with one line instead of hanging it.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from urllib.parse import urlparse
@@ -25,8 +26,10 @@ from urllib.parse import urlparse
 from common import UserError, is_remote
 
 # Bounded by default: lance's own default retry budget is 180 s per request.
-LANCE_DEFAULTS = {"client_max_retries": "3", "client_retry_timeout": "60", "connect_timeout": "10s"}
+LANCE_DEFAULTS = {"client_max_retries": "3", "client_retry_timeout": "60", "connect_timeout": "10s",
+                  "timeout": "60s"}
 ARROW_CONNECT_TIMEOUT_S, ARROW_REQUEST_TIMEOUT_S, ARROW_MAX_ATTEMPTS = 10.0, 60.0, 3
+PROBE_TIMEOUT_S = 10.0  # per attempt of the one request that checks the endpoint and bucket
 
 # Option names -> the settings pyarrow and boto3 need; LanceDB's own names, aliases included.
 _ALIASES = {
@@ -78,8 +81,12 @@ def add_argument(parser) -> None:
 
 
 def lance_options() -> dict[str, str]:
-    """Storage options for lancedb.connect: bounded retries, then the flags."""
-    return {**LANCE_DEFAULTS, **_flags}
+    """Storage options for lancedb.connect: bounded retries, then the flags. An http://
+    endpoint is allowed plain http, as pyarrow and boto3 allow it."""
+    options = {**LANCE_DEFAULTS, **_flags}
+    if (endpoint_url() or "").startswith("http://") and setting("allow_http") is None:
+        options["allow_http"] = "true"
+    return options
 
 
 def setting(name: str) -> str | None:
@@ -123,6 +130,7 @@ def connect(uri: str):
 
     if not is_remote(uri):
         return lancedb.connect(uri)
+    probe(uri)
     try:
         return lancedb.connect(uri, storage_options=lance_options())
     except Exception as e:
@@ -130,7 +138,8 @@ def connect(uri: str):
 
 
 def filesystem(uri: str):
-    """(pyarrow filesystem, path inside it) for a local path or an object-store URI."""
+    """(pyarrow filesystem, path inside it) for a local path or an object-store URI
+    (whose endpoint and bucket are probed first)."""
     import pyarrow.fs as pafs
 
     if not is_remote(uri):
@@ -138,8 +147,17 @@ def filesystem(uri: str):
     parsed = urlparse(uri)
     if parsed.scheme not in ("s3", "s3a"):
         return pafs.FileSystem.from_uri(uri)
-    kwargs = dict(connect_timeout=ARROW_CONNECT_TIMEOUT_S, request_timeout=ARROW_REQUEST_TIMEOUT_S,
-                  retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=ARROW_MAX_ATTEMPTS))
+    probe(uri)
+    return (_s3(ARROW_CONNECT_TIMEOUT_S, ARROW_REQUEST_TIMEOUT_S, ARROW_MAX_ATTEMPTS),
+            f"{parsed.netloc}{parsed.path}".rstrip("/"))
+
+
+def _s3(connect_timeout: float, request_timeout: float, max_attempts: int):
+    """pyarrow's S3 filesystem with the resolved settings and bounded requests."""
+    import pyarrow.fs as pafs
+
+    kwargs = dict(connect_timeout=connect_timeout, request_timeout=request_timeout,
+                  retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=max_attempts))
     for name, arg in (("access_key_id", "access_key"), ("secret_access_key", "secret_key"),
                       ("session_token", "session_token"), ("region", "region")):
         if setting(name):
@@ -148,20 +166,27 @@ def filesystem(uri: str):
     if url:
         endpoint = urlparse(url)
         kwargs.update(endpoint_override=endpoint.netloc, scheme=endpoint.scheme)
-    return pafs.S3FileSystem(**kwargs), f"{parsed.netloc}{parsed.path}".rstrip("/")
+    return pafs.S3FileSystem(**kwargs)
 
 
-def bucket_missing(uri: str) -> bool:
-    """True when the URI's bucket does not exist (so 'no file' means 'no bucket')."""
+@functools.cache
+def probe(uri: str) -> None:
+    """Ask the store for the URI's bucket once per process, with short timeouts, before
+    the libraries' longer retries start: an endpoint that is down, silent or refuses us,
+    and a bucket that does not exist, each end the run here in one line."""
     import pyarrow.fs as pafs
 
-    if not is_remote(uri):
-        return False
-    fs, path = filesystem(uri)
+    parsed = urlparse(uri)
+    if parsed.scheme not in ("s3", "s3a"):
+        return
     try:
-        return fs.get_file_info(path.split("/", 1)[0]).type == pafs.FileType.NotFound
-    except OSError:
-        return False
+        found = _s3(PROBE_TIMEOUT_S, PROBE_TIMEOUT_S, 2).get_file_info(parsed.netloc).type \
+            != pafs.FileType.NotFound
+    except OSError as e:
+        raise UserError(describe(e, uri) or f"cannot reach {uri!r}: {first_line(e)}") from None
+    if not found:
+        raise UserError(f"the bucket of {uri!r} does not exist at "
+                        f"{endpoint_url() or 'the default AWS endpoint'}")
 
 
 _KINDS = (
@@ -169,12 +194,15 @@ _KINDS = (
     (re.compile(r"InvalidAccessKeyId|SignatureDoesNotMatch|AccessDenied|Forbidden|\b403\b", re.I),
      "the object store at {where} refused the credentials for {uri!r}; check AWS_ACCESS_KEY_ID / "
      "AWS_SECRET_ACCESS_KEY or --storage-option aws_access_key_id=..."),
+    (re.compile(r"BadScheme"), "the endpoint {where} for {uri!r} is not https; allow plain http with "
+     "AWS_ALLOW_HTTP=true or --storage-option allow_http=true"),
+    (re.compile(r"timed out|Timeout was reached|Operation too slow|kind: Timeout|TimedOut|"
+                r"deadline has elapsed", re.I),
+     "the object store at {where} did not answer in time for {uri!r}"),
     (re.compile(r"tcp connect error|ConnectError|kind: Connect|NETWORK_CONNECTION|Could not connect|"
                 r"resolve host|dns error|Connection refused|EndpointConnectionError", re.I),
      "cannot reach the object store at {where} for {uri!r}; check AWS_ENDPOINT_URL or "
      "--storage-option aws_endpoint=..."),
-    (re.compile(r"timed? ?out|deadline", re.I),
-     "the object store at {where} did not answer in time for {uri!r}"),
 )
 
 

@@ -735,13 +735,21 @@ def save_checkpoint(ckpt_dir: str, rank: int, world_size: int, rank_payload: dic
     `main_payload` is a callable so only rank 0 pays for gathering model/optimizer state.
     """
     step = rank_payload["opt_step"]
-    if rank == 0:
-        os.makedirs(ckpt_dir, exist_ok=True)
+    os.makedirs(ckpt_dir, exist_ok=True)  # on every rank: a node that does not share it fails below
     barrier(world_size)
     if rank:
         atomic_save(rank_payload, checkpoint_path(ckpt_dir, step, rank))
     barrier(world_size)
     path = checkpoint_path(ckpt_dir, step)
+    # Before it commits, rank 0 must see every rank's file; all ranks learn what it misses.
+    unseen = [[r for r in range(1, world_size) if not os.path.exists(checkpoint_path(ckpt_dir, step, r))]
+              if rank == 0 else None]
+    if world_size > 1:
+        dist.broadcast_object_list(unseen, src=0)
+    if unseen[0]:
+        raise UserError(f"--ckpt-dir {ckpt_dir!r} is not shared by all ranks (rank 0 does not see "
+                        f"{os.path.basename(checkpoint_path(ckpt_dir, step, unseen[0][0]))}): multi-node "
+                        f"training needs --ckpt-dir on a filesystem every node sees (e.g. NFS, Lustre)")
     if rank == 0:
         atomic_save({**main_payload(), **rank_payload}, path)
     barrier(world_size)

@@ -245,3 +245,54 @@ def run_trains(jobs, *, cwd, timeout=300):
         futures = [pool.submit(run_train, nproc, *args, cwd=cwd, timeout=timeout)
                    for nproc, args in jobs]
         return [f.result() for f in futures]
+
+
+# ── A real S3 API on 127.0.0.1 (moto's server) for the s3:// paths ──────────────────
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """An S3-compatible server on a free local port; yields the AWS_* environment that
+    points the project (lancedb, pyarrow, boto3) at it. Buckets are made by the tests."""
+    import socket
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while True:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            break
+        if proc.poll() is not None or time.monotonic() > deadline:
+            kill_tree(proc.pid)
+            pytest.fail(f"the moto S3 server did not start on port {port}")
+        time.sleep(0.2)
+    yield {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+           "AWS_ALLOW_HTTP": "true"}
+    kill_tree(proc.pid)
+
+
+@pytest.fixture(scope="module")
+def s3_env(s3_server):
+    """This module's tests and the processes they start use the local S3 server."""
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in s3_server.items():
+            mp.setenv(key, value)
+        for key in ("AWS_ENDPOINT", "AWS_PROFILE", "AWS_SESSION_TOKEN", "S3_ENDPOINT_URL"):
+            mp.delenv(key, raising=False)
+        yield s3_server
+
+
+def make_bucket(name):
+    import boto3
+
+    boto3.client("s3").create_bucket(Bucket=name)
+    return name
