@@ -191,7 +191,7 @@ def probe(uri: str) -> None:
 
 _KINDS = (
     (re.compile(r"NoSuchBucket|bucket does not exist", re.I), "the bucket of {uri!r} does not exist at {where}"),
-    (re.compile(r"InvalidAccessKeyId|SignatureDoesNotMatch|AccessDenied|Forbidden|\b403\b", re.I),
+    (re.compile(r"InvalidAccessKeyId|SignatureDoesNotMatch|AccessDenied|ACCESS_DENIED|Forbidden|\b403\b", re.I),
      "the object store at {where} refused the credentials for {uri!r}; check AWS_ACCESS_KEY_ID / "
      "AWS_SECRET_ACCESS_KEY or --storage-option aws_access_key_id=..."),
     (re.compile(r"BadScheme"), "the endpoint {where} for {uri!r} is not https; allow plain http with "

@@ -5,9 +5,10 @@ Usage:
         [--quick] [--batch-size 32] [--workers 2] [--repeats 3] [--min-tokens N]
         [--read-batch-size 64] [--io-queue-depth 1] [--transform-parallelism 2] [--no-docs-check]
         [--min-score X] [--sweep] [--sweep-min-tokens N] [--png FILE.png]
+        [--modes lance-docs,lance,...] [--storage-option KEY=VALUE ...]
 
-OUT is what build_packed_datasets.py wrote; --db/--table the corpus it was built
-from (default: the manifest's source). Paths, all yielding batches of --batch-size
+OUT is what build_packed_datasets.py wrote (a directory or an s3:// URI); --db/--table
+the corpus it was built from (default: the manifest's source). Paths, all yielding batches of --batch-size
 blocks of the manifest's seq_len in one process (rank 0 of 1):
 
 - lance-docs: the corpus table packed in the loader, as `train.py --pack` builds it
@@ -53,8 +54,10 @@ sys.path.insert(0, REPO)  # bench/ is not a package: import the project's module
 import torch  # noqa: E402
 
 import blocks_loaders  # noqa: E402
+import storage  # noqa: E402
 import train  # noqa: E402
-from common import TRAIN_FILTER, MultisetDigest, UserError, block_hashes, connect_table, load_tokenizer  # noqa: E402
+from common import (TRAIN_FILTER, MultisetDigest, UserError, block_hashes, connect_table,  # noqa: E402
+                    is_remote, load_tokenizer)
 
 MODES = ("lance-docs", "lance", "mosaic", "parquet-random", "parquet-seq")
 FORMAT = blocks_loaders.MODE_FORMAT  # the OUT subdirectory each blocks path reads
@@ -101,8 +104,9 @@ class Bench:
 
     def __init__(self, opts):
         self.opts = opts
-        self.manifests = {fmt: blocks_loaders.read_manifest(os.path.join(opts.blocks, fmt), fmt)
-                          for fmt in FORMAT.values()}
+        formats = {"lance"} | {FORMAT[m] for m in opts.modes if m in FORMAT}  # lance: the reference
+        self.manifests = {fmt: blocks_loaders.read_manifest(blocks_path(opts.blocks, fmt), fmt)
+                          for fmt in sorted(formats)}
         self.manifest = self.manifests["lance"]
         for fmt, m in self.manifests.items():
             if m["multiset_hash"] != self.manifest["multiset_hash"] or m["seq_len"] != self.manifest["seq_len"]:
@@ -119,8 +123,9 @@ class Bench:
             found = re.search(r"score >= ([-+0-9.eE]+)", source.get("filter", ""))
             opts.min_score = float(found.group(1)) if found else 1.0
         self.tok = load_tokenizer(self.manifest["tokenizer"])
-        self.corpus = connect_table(self.db, self.table_name)
-        self.blocks_table, _ = blocks_loaders.open_lance_blocks(os.path.join(opts.blocks, "lance"))
+        self.corpus = connect_table(self.db, self.table_name) if "lance-docs" in opts.modes else None
+        self.blocks_table = blocks_loaders.open_lance_blocks(blocks_path(opts.blocks, "lance"))[0] \
+            if "lance" in opts.modes else None
 
     def train_args(self, read_batch_size: int, io_queue_depth: int, transform_parallelism: int,
                    shuffle_seed: int = SEED):
@@ -154,9 +159,18 @@ class Bench:
                 args, self.blocks_table, 0, 1, epoch=e, shuffle=True, num_splits=num_splits,
                 transform=transform), args)
         return blocks_loaders.BlocksEpochs(
-            mode, os.path.join(self.opts.blocks, FORMAT[mode]), rank=0, world_size=1,
+            mode, blocks_path(self.opts.blocks, FORMAT[mode]), rank=0, world_size=1,
             batch_size=self.opts.batch_size, seed=SEED, num_workers=self.opts.workers,
             mp_context=MP_CONTEXT)
+
+
+def blocks_path(out: str, fmt: str) -> str:
+    """OUT/FMT for a local directory or an s3:// URI."""
+    return f"{out.rstrip('/')}/{fmt}" if is_remote(out) else os.path.join(out, fmt)
+
+
+def same_location(a: str, b: str) -> bool:
+    return a == b if is_remote(a) or is_remote(b) else os.path.abspath(a) == os.path.abspath(b)
 
 
 def release(loader) -> None:
@@ -246,7 +260,7 @@ def check(bench: Bench, mode: str, reference: Counter | None = None) -> tuple[di
         return {"ok": None, **expected, "note": "--no-docs-check"}, Counter()
     if mode == "lance-docs":
         src = m["source"]
-        same_source = (os.path.abspath(bench.db) == os.path.abspath(src["db"])
+        same_source = (same_location(bench.db, src["db"])
                        and bench.table_name == src["table"] and bench.corpus.version == src["table_version"]
                        and train.data_filter(bench.train_args(1, 1, 1), TRAIN_FILTER) == src["filter"])
         if not same_source:
@@ -327,7 +341,8 @@ def settings_of(bench: Bench, opts) -> dict:
                "forkserver_preload": FORKSERVER_PRELOAD, "persistent_workers": False,
                "prefetch_factor": 4, "seed": SEED}
     return {
-        "blocks": os.path.abspath(opts.blocks), "db": bench.db, "table": bench.table_name,
+        "blocks": opts.blocks if is_remote(opts.blocks) else os.path.abspath(opts.blocks),
+        "db": bench.db, "table": bench.table_name,
         "seq_len": bench.seq_len, "num_blocks": bench.num_blocks, "tokenizer": m["tokenizer"],
         "tokens_per_epoch": bench.num_blocks * bench.seq_len, "batch_size": b,
         "min_tokens": opts.min_tokens, "repeats": opts.repeats,
@@ -338,6 +353,7 @@ def settings_of(bench: Bench, opts) -> dict:
                   "lance": lance,
                   "mosaic": {**workers, "num_canonical_nodes": MOSAIC_CANONICAL_NODES},
                   "parquet-random": workers, "parquet-seq": workers},
+        "timed_modes": list(opts.modes),
     }
 
 
@@ -430,7 +446,8 @@ def write_json(path: str, data: dict) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--blocks", required=True, help="the OUT directory build_packed_datasets.py wrote")
+    p.add_argument("--blocks", required=True, help="the OUT directory (or s3:// URI) build_packed_datasets.py wrote")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated paths to time (default: all five)")
     p.add_argument("--db", default="", help="the corpus db (default: the manifest's source)")
     p.add_argument("--table", default="", help="the corpus table (default: the manifest's source)")
     p.add_argument("--out", required=True, help="results JSON")
@@ -453,7 +470,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true", help="also sweep the lance loader settings")
     p.add_argument("--sweep-min-tokens", type=int, default=None,
                    help="tokens per sweep run (default: a quarter of --min-tokens; 32 runs)")
+    storage.add_argument(p)
     opts = p.parse_args(argv)
+    opts.modes = [m.strip() for m in opts.modes.split(",") if m.strip()]
     opts.repeats = opts.repeats if opts.repeats is not None else (1 if opts.quick else 3)
     opts.min_tokens = opts.min_tokens if opts.min_tokens is not None else (
         QUICK_MIN_TOKENS if opts.quick else MIN_TOKENS)
@@ -468,7 +487,13 @@ def check_opts(opts) -> None:
                         ("--sweep-min-tokens", opts.sweep_min_tokens)):
         if value < 1:
             raise UserError(f"{flag} must be at least 1 (got {value})")
-    if not os.path.isdir(opts.blocks):
+    unknown = [m for m in opts.modes if m not in MODES]
+    if unknown or not opts.modes:
+        raise UserError(f"--modes takes a comma-separated subset of {','.join(MODES)} "
+                        f"(got {','.join(opts.modes) or 'nothing'})")
+    if opts.sweep and not set(SWEEP_MODES) <= set(opts.modes):
+        raise UserError(f"--sweep times {' and '.join(SWEEP_MODES)}: keep them in --modes")
+    if not is_remote(opts.blocks) and not os.path.isdir(opts.blocks):
         raise UserError(f"no blocks at {opts.blocks!r}; build them with "
                         f"`python build_packed_datasets.py --db DIR --table NAME --out {opts.blocks}`")
 
@@ -485,19 +510,19 @@ def bench_main(opts) -> int:
           + (f"; sweep: {opts.sweep_min_tokens:,} tokens per run" if opts.sweep else ""), flush=True)
 
     checks, reference = {}, None
-    for mode in MODES:
+    for mode in opts.modes:
         checks[mode], names = check(bench, mode, reference)
         if mode == "lance" and checks[mode]["ok"]:
             reference = names  # the stored blocks, verified: what Mosaic's epoch is held against
         print(check_line(mode, checks[mode]), flush=True)
 
-    runs = {mode: [] for mode in MODES}
+    runs = {mode: [] for mode in opts.modes}
     for rep in range(opts.repeats):
-        for mode in MODES:
+        for mode in opts.modes:
             run = timed_run(bench, mode, opts.min_tokens)
             runs[mode].append(run)
             print(run_line(mode, run, f"[{rep + 1}/{opts.repeats}]"), flush=True)
-    results = [{"mode": mode, **summarize(runs[mode]), "check": checks[mode]} for mode in MODES]
+    results = [{"mode": mode, **summarize(runs[mode]), "check": checks[mode]} for mode in opts.modes]
     print_table(results, opts)
 
     settings = settings_of(bench, opts)
@@ -525,6 +550,7 @@ def main(argv=None) -> None:
     mp.set_start_method(MP_CONTEXT, force=True)  # as train.py: before any dataset exists
     mp.set_forkserver_preload(FORKSERVER_PRELOAD)
     try:
+        storage.configure(opts.storage_option)
         code = bench_main(opts)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

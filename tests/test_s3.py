@@ -136,6 +136,22 @@ def test_ab_lance_and_mosaic_modes_train_from_s3(s3_blocks, corpora):
     assert [p.name for p in cache.iterdir()] == [local["lance"]["content_hash"][:16]]
 
 
+def test_s3_loader_benchmark_runs_side_by_side(s3_blocks, corpora, tmp_path):
+    """bench/s3_loaders.py copies the local blocks and corpus to the bucket and times both
+    lance paths from disk and from S3 (no timing asserted)."""
+    out = tmp_path / "s3.json"
+    proc = run_script("bench/s3_loaders.py", "--blocks", corpora["tmp"] / "blocks", "--out", out,
+                      "--bucket", "bench-bucket", "--repeats", 1, "--min-tokens", 20_000,
+                      "--batch-size", 4, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert [r["mode"] for r in data["results"]] == ["lance", "lance-docs"]
+    for r in data["results"]:
+        assert set(r["runs"]) == {"disk", "s3"}
+        assert all(run["tokens"] >= 20_000 for runs in r["runs"].values() for run in runs)
+        assert r["steady_s3_over_disk"] > 0 and r["overall_s3_over_disk"] > 0
+
+
 @pytest.fixture
 def silent_endpoint():
     """An endpoint that accepts connections and never answers (the kernel's backlog does)."""
