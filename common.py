@@ -68,9 +68,9 @@ def connect_table(db: str, table: str):
     try:
         tbl = conn.open_table(table)
     except (ValueError, FileNotFoundError, OSError) as e:
-        raise UserError(storage.describe(e, db) or 
+        raise UserError(storage.describe(e, db) or (
             f"table {table!r} not found in {db!r} ({e}); create it with "
-            f"`python prepare_data.py INPUT --db {db} --table {table}`") from None
+            f"`python prepare_data.py INPUT --db {db} --table {table}`")) from None
     schema = tbl.schema
     for name, (what, ok) in _TRAIN_COLUMNS.items():
         if name not in schema.names:

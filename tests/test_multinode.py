@@ -5,7 +5,6 @@ processes, every step trains on the samples of a straight two-rank run. A node w
 """
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,16 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import REPO, kill_tree, read_trace
+from conftest import REPO, free_port, kill_tree, read_trace
 from test_elastic import CKPT, HALF, STEPS, final_step, flags, per_step, resumed_from, train_ok
 
 TIMEOUT = 150  # per run: a hang fails the test instead of blocking CI
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def node_command(node_rank, port, run_id, *args):
@@ -36,7 +29,7 @@ def run_two_nodes(args0, args1, *, cwd, timeout=TIMEOUT):
     """Start both "nodes" at once, each torchrun in a session of its own with its own argv;
     wait for both. Past `timeout` every process tree is killed and the test fails.
     Returns the two CompletedProcesses (node 0, node 1)."""
-    port, run_id = _free_port(), f"mn-{uuid.uuid4().hex[:12]}"
+    port, run_id = free_port(), f"mn-{uuid.uuid4().hex[:12]}"
     # torchrun sets OMP_NUM_THREADS=1 only for more than one process per node; two "nodes"
     # sharing a small CI machine each with a full thread pool run about 10x slower.
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
