@@ -54,8 +54,8 @@ def read_manifest(path: str, fmt: str | None = None) -> dict:
         if not is_remote(path) and not os.path.isdir(path):
             raise UserError(f"no blocks at {path!r}; build them with "
                             f"`python build_packed_datasets.py --db DIR --table NAME --out DIR`") from None
-        if storage.describe(e, path):
-            raise UserError(storage.describe(e, path)) from None
+        if why := storage.describe(e, path):
+            raise UserError(why) from None
         raise UserError(f"{path!r} has no readable {MANIFEST} ({type(e).__name__}): it was not "
                         f"written by build_packed_datasets.py, or the build did not finish") from None
     except json.JSONDecodeError as e:

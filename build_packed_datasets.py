@@ -234,9 +234,9 @@ def build(db: str, table: str, out: str, *, formats=FORMATS, seq_len: int = 1024
                         ("--seq-row-group-blocks", seq_row_group_blocks)):
         if value < 1:
             raise UserError(f"{flag} must be at least 1 (got {value})")
-    for fmt in formats:
-        if format_exists(out, fmt) and not overwrite:
-            raise UserError(f"{out.rstrip('/')}/{fmt} already exists; pass --overwrite to replace it")
+    existing = [fmt for fmt in formats if format_exists(out, fmt)]  # one listing per format
+    if existing and not overwrite:
+        raise UserError(f"{out.rstrip('/')}/{existing[0]} already exists; pass --overwrite to replace it")
     tok = load_tokenizer(tokenizer_spec)
     tbl = connect_table(db, table)
     check_table_tokenizer(tbl, tok, f"the table {table!r} in {db!r}")
@@ -248,10 +248,9 @@ def build(db: str, table: str, out: str, *, formats=FORMATS, seq_len: int = 1024
                         f"not one {seq_len}-token block; lower --min-score or --seq-len, or add data")
 
     if is_remote(out):  # written in place: clear what --overwrite replaces first
-        for fmt in formats:
-            if format_exists(out, fmt):
-                fs, root = storage.filesystem(staging_dir(out, fmt))
-                fs.delete_dir(root)
+        for fmt in existing:
+            fs, root = storage.filesystem(staging_dir(out, fmt))
+            fs.delete_dir(root)
     start = time.perf_counter()
     schema = blocks_schema(seq_len)
     staged = {fmt: staging_dir(out, fmt) for fmt in formats}

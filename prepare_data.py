@@ -324,8 +324,8 @@ def open_existing(db: str, table: str):
     try:
         return conn.open_table(table)
     except (ValueError, FileNotFoundError, OSError) as e:
-        if storage.describe(e, db):  # the store failed, not the lookup
-            raise UserError(storage.describe(e, db)) from None
+        if why := storage.describe(e, db):  # the store failed, not the lookup
+            raise UserError(why) from None
         return None
 
 
