@@ -5,6 +5,7 @@ Usage:
         [--val-fraction 0.02] [--min-chars 50] [--mode create|append|overwrite]
         [--text-field text] [--score-field NAME] [--batch-size 1000]
     python prepare_data.py --demo [--db DIR] [--table NAME] [--tokenizer SPEC] [--mode ...]
+    python prepare_data.py --restore VERSION [--db DIR] [--table NAME]
 
 Inputs: a `.txt` file is one document; `.jsonl` / `.jsonl.gz` hold one JSON object per
 line, text under --text-field; `.parquet` has a --text-field column, read in record
@@ -17,15 +18,23 @@ null or not a string (`no_text`), jsonl text that is not valid Unicode (`bad_tex
 Fatal (one `error:` line, exit 2, nothing written): a missing, unreadable or corrupt
 input, a named file of another type, directories with no input file, inputs with no
 document left (every line skipped counts), with --score-field a document whose score is
-missing or not a number, --mode create on an existing table, a --db that is a file, and
---mode append onto a table made with another tokenizer.
+missing or not a number, --mode create on an existing table, a --db that is a file,
+--mode append onto a table made with another tokenizer, and --restore of a version the
+table does not have.
 
 Each document gets a sequential `id` (after the table's max id on append), `input_ids`
 (no EOS), a `score` (--score-field, else `quality_score`), `is_dup` (normalized text seen
 before, across appends too; the first copy is kept) and a `split` drawn from the hash of
-the normalized text, so re-runs agree. The whole run is one commit of a stream of
-record batches: a failed or killed run leaves no partial table, and a failed run removes
-the table or db directory it had started to create.
+the normalized text, so re-runs agree.
+
+The whole run is one lance commit of a stream of record batches, so a run that fails or
+is killed (even SIGKILL) leaves the table at its previous version, rows and all; run it
+again to complete it. A failed run removes the table or db directory it had started to
+create; the data files a killed create leaves in a table directory with no committed
+version are cleared by the next run (a killed append or overwrite may leave an unused
+`data/.tmp*` file in the table). --mode overwrite writes a new version and keeps the
+old one: it prints the version it replaced and the --restore command that brings it back
+(--restore makes a new version with that version's rows).
 
 Creating or overwriting a table records the tokenizer in the metadata of its `input_ids`
 field (`tokenizer`, `vocab_size`, `eos_id`, `pad_id`; see common.table_tokenizer), so a run with
@@ -46,6 +55,7 @@ import itertools
 import json
 import os
 import re
+import shlex
 import shutil
 import sys
 import sysconfig
@@ -391,8 +401,11 @@ def commit(db: str, table: str, existing, mode: str, tok,
 
     A created or replaced table records `tok` on its `input_ids` field; an append keeps
     the table's own (lance keeps a table's field metadata on add). A failed write removes the
-    directories it had created, so no empty db or table directory is left behind.
+    directories it had created, so no empty db or table directory is left behind. A table
+    directory with no committed version (what a killed create leaves) is cleared first.
     """
+    if existing is None and not is_remote(db):
+        remove_uncommitted(os.path.join(db, f"{table}.lance"))
     created = created_by_write(db, table)
     try:
         if existing is not None and mode == "append":
@@ -425,6 +438,9 @@ def write_corpus(docs: Docs, db: str, table: str, tokenizer_spec: str, *, val_fr
         raise UserError(f"table {table!r} already exists in {db!r}; "
                         f"use --mode append to add to it or --mode overwrite to replace it")
     appending = existing is not None and mode == "append"
+    replaced = None  # (version, rows) an overwrite replaces: printed with how to restore it
+    if existing is not None and mode == "overwrite":
+        replaced = existing.version, existing.count_rows()
     if appending:
         check_table_tokenizer(existing, tok, f"the table {table!r} in {db!r}")
     seen, first_id = existing_contents(existing, batch_size) if appending else (set(), 0)
@@ -447,7 +463,37 @@ def write_corpus(docs: Docs, db: str, table: str, tokenizer_spec: str, *, val_fr
     print(f"wrote {summary['docs']} docs ({summary['tokens']} tokens) to {db}/{table} [{mode}]: "
           f"{summary['dups']} dups, {summary['val']} val; skipped {format_skipped(skipped)}; "
           f"{summary['seconds']:.1f} s")
+    if replaced:
+        summary["replaced_version"] = replaced[0]
+        print(f"replaced version {replaced[0]} ({replaced[1]} rows) of {db}/{table}; to bring it "
+              f"back: {restore_command(db, table, replaced[0])}")
     return summary
+
+
+def restore_command(db: str, table: str, version: int) -> str:
+    """The command line that brings `version` back, ready to paste into a shell."""
+    return (f"python prepare_data.py --db {shlex.quote(db)} --table {shlex.quote(table)} "
+            f"--restore {version}")
+
+
+def restore(db: str, table: str, version: int) -> None:
+    """Make `version` current again, as a new version with its rows: the undo of an
+    --mode overwrite (lance keeps every version until they are cleaned up)."""
+    check_destination(db, table)
+    tbl = open_existing(db, table)
+    if tbl is None:
+        raise UserError(f"no table {table!r} in {db!r} to restore")
+    versions = sorted(v["version"] for v in tbl.list_versions())
+    if version not in versions:
+        have = ", ".join(map(str, versions)) if len(versions) <= 10 else \
+            f"{len(versions)} from {versions[0]} to {versions[-1]}"
+        raise UserError(f"table {table!r} in {db!r} has no version {version} (versions: {have})")
+    try:
+        tbl.restore(version)
+    except OSError as e:
+        raise UserError(storage.describe(e, db) or f"cannot restore {table!r} in {db!r}: {e}") from None
+    print(f"restored version {version} ({tbl.count_rows()} rows) of {db}/{table} "
+          f"as its new version {tbl.version}")
 
 
 def format_skipped(skipped: Counter) -> str:
@@ -494,6 +540,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--score-field", help="numeric field used as score instead of quality_score")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
                    help="documents per tokenize / write batch")
+    p.add_argument("--restore", type=int, metavar="VERSION",
+                   help="make this earlier version of --table current again (e.g. after "
+                   "--mode overwrite), then exit")
     storage.add_argument(p)
     return p.parse_args(argv)
 
@@ -504,7 +553,11 @@ def main(argv=None) -> None:
                    batch_size=args.batch_size)
     try:
         storage.configure(args.storage_option)
-        if args.demo:
+        if args.restore is not None:
+            if args.inputs or args.demo:
+                raise UserError("--restore takes no INPUT and no --demo")
+            restore(args.db, args.table, args.restore)
+        elif args.demo:
             if args.inputs or args.score_field:
                 raise UserError("--demo takes no INPUT and no --score-field")
             build_demo(args.db, args.table, args.tokenizer, **options)
