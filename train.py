@@ -24,6 +24,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import pickle
 import re
 import sys
 import time
@@ -77,6 +78,9 @@ PEAK_BF16_FLOPS = (
 )
 
 CKPT_NAME = re.compile(r"^step_(\d{8})\.pt$")
+# What torch's weights_only unpickler says, within its long multi-line refusal.
+UNSAFE_GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)")
+WEIGHTS_ONLY_ERROR = re.compile(r"WeightsUnpickler error: \s*(\S[^\n]*)")
 
 # Settings that fix the sample order or the model: a resume must not change them.
 RESUME_INVARIANTS = ("num_splits", "shuffle_seed", "seq_len", "pack", "doc_mask", "tokenizer",
@@ -224,6 +228,21 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(one subdirectory per dataset content hash, shared by the node's ranks)")
     storage.add_argument(p)
     p.add_argument(
+        "--data-version",
+        default="",
+        metavar="N|latest",
+        help="the table version to train on (the corpus table, or the --blocks-mode lance "
+        "blocks table). Default: the newest at a fresh start, the checkpoint's on --resume, "
+        "for the whole run whatever is appended meanwhile. N: version N. 'latest' on "
+        "--resume: finish the checkpoint's epoch on its version, then read the newest",
+    )
+    p.add_argument(
+        "--force-unlock",
+        action="store_true",
+        help="take over the --ckpt-dir lock of a run on another host that is gone "
+        "(a lock of a dead process on this host is taken over without it)",
+    )
+    p.add_argument(
         "--blocks-per-epoch",
         default="",
         help="packed block budget; default: exact value computed from the "
@@ -260,9 +279,14 @@ def check_args(args, world_size: int) -> int:
         if args.pack:
             raise UserError("--pack packs the corpus table in the loader and --blocks-mode trains on "
                             "blocks packed already: pass one of them")
+        if args.data_version and args.blocks_mode != "lance":
+            raise UserError(f"--data-version: --blocks-mode {args.blocks_mode} reads files, not a table; "
+                            f"the manifest's content hash pins them")
         if args.resume and args.blocks_mode != "lance":
             raise UserError(f"--blocks-mode {args.blocks_mode} keeps no loader state, so it cannot "
                             f"--resume; --blocks-mode off and lance resume mid-epoch")
+    if args.data_version not in ("", "latest") and not args.data_version.isdigit():
+        raise UserError(f"--data-version must be a version number or 'latest' (got {args.data_version!r})")
     global_batch = args.batch_size * world_size
     num_splits = args.num_splits or global_batch
     if num_splits % world_size:
@@ -604,8 +628,10 @@ class TrainingData:
     """Where a run's training samples come from, epoch by epoch.
 
     The corpus table (rows or --pack) and the lance blocks table give a lancedb
-    StreamingDataset per epoch, whose state checkpoints carry; the other
-    --blocks-mode baselines give plain batches and no state.
+    StreamingDataset per epoch, whose state checkpoints carry, read at one pinned table
+    `version`; the other --blocks-mode baselines give plain batches and no state.
+    With --data-version latest on a resume, `newer` holds what epochs from `newer_epoch`
+    on read: the same source at the newest version.
     """
 
     plan: EpochPlan
@@ -613,40 +639,131 @@ class TrainingData:
     table: object | None = None  # the corpus table, for validation
     dataset: Callable[[int], object] | None = None
     baseline: object | None = None  # blocks_loaders.BlocksEpochs
+    version: dict | None = None  # {"version", "timestamp"} of the table read; checkpoints record it
+    newer: TrainingData | None = None
+    newer_epoch: int = 0
+
+    def at(self, epoch: int) -> TrainingData:
+        """What epoch `epoch` reads."""
+        return self.newer if self.newer is not None and epoch >= self.newer_epoch else self
 
 
 def open_training_data(args, tok, rank: int, world_size: int, device, num_splits: int,
-                       global_batch: int) -> TrainingData:
+                       global_batch: int, saved: dict | None = None, epoch: int = 0) -> TrainingData:
+    """The run's samples; `saved` is the resumed checkpoint's data version (None on a fresh
+    start) and `epoch` the epoch it resumes in."""
     if args.blocks_mode == "off":
         ensure_demo_corpus(args, rank == 0, world_size)
-        table = connect_table(args.db, args.table)
-        check_table_tokenizer(table, tok, f"the table {args.table!r} in {args.db!r}")
-        plan = plan_epoch(args, table, num_splits, global_batch)
-        source = corpus_source(args, tok, TRAIN_FILTER, args.pack, plan.blocks_per_epoch)
-        return TrainingData(plan, "corpus", table, dataset=lambda epoch: make_dataset(
-            args, table, rank, world_size, epoch=epoch, shuffle=True, num_splits=num_splits, **source))
+        where = f"table {args.table!r} in {args.db!r}"
+        open_table = functools.partial(connect_table, args.db, args.table)
+        check_table_tokenizer(open_table(), tok, f"the {where}")
 
-    manifest = blocks_loaders.read_manifest(args.blocks_path, MODE_FORMAT[args.blocks_mode])
-    check_blocks_manifest(args, tok, manifest)
-    identity = f"blocks:{manifest['content_hash'][:16]}"
-    num_blocks = manifest["num_blocks"]
-    if args.blocks_mode == "lance":
-        table, _ = blocks_loaders.open_lance_blocks(args.blocks_path)
+        def source(table) -> TrainingData:
+            plan = plan_epoch(args, table, num_splits, global_batch)
+            corpus = corpus_source(args, tok, TRAIN_FILTER, args.pack, plan.blocks_per_epoch)
+            return TrainingData(plan, "corpus", table, dataset=lambda epoch: make_dataset(
+                args, table, rank, world_size, epoch=epoch, shuffle=True, num_splits=num_splits,
+                **corpus))
+    else:
+        manifest = blocks_loaders.read_manifest(args.blocks_path, MODE_FORMAT[args.blocks_mode])
+        check_blocks_manifest(args, tok, manifest)
+        identity = f"blocks:{manifest['content_hash'][:16]}"
+        num_blocks = manifest["num_blocks"]
+        if args.blocks_mode != "lance":
+            baseline = blocks_loaders.BlocksEpochs(
+                args.blocks_mode, args.blocks_path, rank=rank, world_size=world_size,
+                batch_size=args.batch_size, seed=args.shuffle_seed, num_workers=args.num_workers,
+                mp_context=args.mp_context, pin_memory=device.type == "cuda",
+                mosaic_cache=args.mosaic_cache)
+            plan = EpochPlan(num_blocks, None, -(-baseline.blocks_per_rank // args.batch_size))
+            return TrainingData(plan, identity, baseline=baseline)
         if num_blocks < num_splits:
             raise UserError(f"{args.blocks_path!r} holds {num_blocks} blocks, fewer than num_splits "
                             f"({num_splits}); lower --num-splits or --batch-size")
+        where = f"blocks table at {args.blocks_path!r}"
+        open_table = lambda: blocks_loaders.open_lance_blocks(args.blocks_path)[0]  # noqa: E731
         cycles = num_blocks // num_splits
         plan = EpochPlan(num_blocks, None, -(-cycles // (global_batch // num_splits)))
         transform = functools.partial(blocks_loaders.blocks_to_samples, seq_len=args.seq_len)
-        return TrainingData(plan, identity, dataset=lambda epoch: make_dataset(
-            args, table, rank, world_size, epoch=epoch, shuffle=True, num_splits=num_splits,
-            transform=transform))
-    baseline = blocks_loaders.BlocksEpochs(
-        args.blocks_mode, args.blocks_path, rank=rank, world_size=world_size,
-        batch_size=args.batch_size, seed=args.shuffle_seed, num_workers=args.num_workers,
-        mp_context=args.mp_context, pin_memory=device.type == "cuda", mosaic_cache=args.mosaic_cache)
-    plan = EpochPlan(num_blocks, None, -(-baseline.blocks_per_rank // args.batch_size))
-    return TrainingData(plan, identity, baseline=baseline)
+
+        def source(table) -> TrainingData:
+            return TrainingData(plan, identity, dataset=lambda epoch: make_dataset(
+                args, table, rank, world_size, epoch=epoch, shuffle=True, num_splits=num_splits,
+                transform=transform))
+
+    latest = open_table()
+    newest = broadcast_from_main(table_version(latest, latest.version), world_size)
+    if saved is None:
+        version = newest if args.data_version in ("", "latest") else \
+            pinned_version(open_table, int(args.data_version), where, f"--data-version {args.data_version}")
+    else:
+        if args.data_version not in ("", "latest") and int(args.data_version) != saved["version"]:
+            raise UserError(f"--data-version {args.data_version}: the checkpoint trained on version "
+                            f"{saved['version']} of the {where}; drop --data-version to keep reading "
+                            f"it, or pass --data-version latest to move to the newest at the next epoch")
+        version = pinned_version(open_table, saved["version"], where, "the checkpoint", saved)
+    data = source(checked_out(open_table(), version))
+    data.version = version
+    if rank == 0:
+        print(f"data: {where}, version {version['version']} ({version['timestamp']})", flush=True)
+    if saved is not None and args.data_version == "latest":
+        if newest["version"] == version["version"]:
+            message = f"data: --data-version latest: version {version['version']} of the {where} is the newest"
+        else:
+            data.newer, data.newer_epoch = source(checked_out(latest, newest)), epoch + 1
+            data.newer.version = newest
+            message = (f"data: --data-version latest: epoch {epoch} finishes on version "
+                       f"{version['version']} of the {where}, epochs from {epoch + 1} read version "
+                       f"{newest['version']}")
+        if rank == 0:
+            print(message, flush=True)
+    return data
+
+
+def table_version(table, version: int) -> dict:
+    """{"version", "timestamp"} of one of `table`'s versions: the timestamp tells that version
+    apart from a same-numbered one of a table dropped and made anew."""
+    for entry in table.list_versions():
+        if entry["version"] == version:
+            return {"version": version, "timestamp": entry["timestamp"].isoformat()}
+    raise ValueError(f"Version {version} not found")
+
+
+def pinned_version(open_table, version: int, where: str, whose: str, saved: dict | None = None) -> dict:
+    """Version `version` of the table, refused in one line when it no longer exists, or
+    (for a checkpoint's) exists but was written at another time than the one `saved`."""
+    table = open_table()
+    try:
+        found = table_version(table, version)
+    except ValueError:
+        kept = sorted(v["version"] for v in table.list_versions())
+        have = f"it has versions {kept[0]}..{kept[-1]}" if kept else "it has no versions"
+        if saved is None:
+            raise UserError(f"{whose}: the {where} has no version {version} ({have})") from None
+        raise UserError(f"{whose} trained on version {version} of the {where}, which no longer exists "
+                        f"(cleaned up by optimize; {have}): the run cannot go on with the same data; "
+                        f"start a new run in another --ckpt-dir") from None
+    if saved is not None and found["timestamp"] != saved["timestamp"]:
+        raise UserError(f"{whose} trained on version {version} of the {where} written at "
+                        f"{saved['timestamp']}, but that version now dates from {found['timestamp']}: "
+                        f"the table was made anew; start a new run in another --ckpt-dir")
+    return found
+
+
+def checked_out(table, version: dict):
+    """`table` pinned at `version` for every read of the run: lancedb's StreamingDataset
+    records it in its permutation, so loader workers read it too, whatever is appended,
+    deleted or overwritten meanwhile."""
+    table.checkout(version["version"])
+    return table
+
+
+def broadcast_from_main(value, world_size: int):
+    """Rank 0's `value` on every rank (so all ranks agree while a table changes under them)."""
+    box = [value]
+    if world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def check_blocks_manifest(args, tok, manifest: dict) -> None:
@@ -665,11 +782,12 @@ def train_batches(args, data: TrainingData, rank, world_size, device, num_splits
                   loader_state):
     """Micro-batches across epochs as (epoch, dataset or None, batch); resumes mid-epoch from loader_state."""
     for epoch in range(start_epoch, args.epochs):
-        if data.baseline is not None:
-            for batch in data.baseline.epoch(epoch):
+        source = data.at(epoch)
+        if source.baseline is not None:
+            for batch in source.baseline.epoch(epoch):
                 yield epoch, None, batch
             continue
-        ds = data.dataset(epoch)
+        ds = source.dataset(epoch)
         if loader_state is not None:
             try:
                 ds.load_state_dict(loader_state)
@@ -780,12 +898,22 @@ def prune_checkpoints(ckpt_dir: str, keep_last: int) -> None:
 
 
 def read_checkpoint(path: str) -> dict:
+    """A checkpoint's contents, unpickled with weights_only=True: tensors and plain containers
+    only, so a checkpoint from elsewhere cannot run code here (train.py and sample.py)."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise UserError(f"checkpoint {path!r} does not exist") from None
-    except Exception as e:  # truncated, not a checkpoint, or would need unsafe unpickling
-        raise UserError(f"cannot read checkpoint {path!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    except pickle.UnpicklingError as e:
+        if found := UNSAFE_GLOBAL.search(str(e)):
+            raise UserError(f"refusing checkpoint {path!r}: unpickling it would call '{found.group(1)}', "
+                            f"which could run code; train.py writes only tensors and plain "
+                            f"containers") from None
+        why = WEIGHTS_ONLY_ERROR.search(str(e))
+        raise UserError(f"cannot read checkpoint {path!r}: "
+                        f"{why.group(1) if why else storage.first_line(e)}") from None
+    except Exception as e:  # truncated or not a checkpoint at all
+        raise UserError(f"cannot read checkpoint {path!r}: {storage.first_line(e)}") from None
 
 
 def load_checkpoint(path: str) -> tuple[dict, dict]:
@@ -861,11 +989,6 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
     num_splits = check_args(args, world_size)
     global_batch = args.batch_size * world_size
     tok = load_tokenizer(args.tokenizer)
-    data = open_training_data(args, tok, rank, world_size, device, num_splits, global_batch)
-    check_validation_data(args, data, world_size)
-    plan = data.plan
-    config = run_config(args, num_splits, global_batch, data.identity)
-
     ckpt, loader_state = None, None
     if args.resume:
         if args.resume == "auto":
@@ -873,6 +996,12 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
         else:
             path = args.resume
             ckpt, loader_state = load_checkpoint(path)
+    data = open_training_data(args, tok, rank, world_size, device, num_splits, global_batch,
+                              *((ckpt.get("data_version"), ckpt["epoch"]) if ckpt else ()))
+    check_validation_data(args, data, world_size)
+    plan = data.plan
+    config = run_config(args, num_splits, global_batch, data.identity)
+    if ckpt is not None:
         check_resume_config(ckpt.get("config", {}), config, path)
 
     torch.manual_seed(1234)
@@ -910,7 +1039,7 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
 
     if is_main and args.pack:
         print(f"blocks_per_epoch: {plan.blocks_per_epoch}")
-    total_micro = plan.micro_steps_per_epoch * args.epochs
+    total_micro = sum(data.at(epoch).plan.micro_steps_per_epoch for epoch in range(args.epochs))
     steps_per_epoch = max(plan.micro_steps_per_epoch // args.grad_accum, 1)
     total_steps = args.lr_total_steps or args.steps or max(total_micro // args.grad_accum, 1)
     metrics = None
@@ -966,6 +1095,7 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
             "tokens_seen": seen,
             "world_size": world_size,
             "config": config,
+            "data_version": data.at(epoch).version,
         }, args.keep_last)
         if is_main:
             print(f"  saved {path}")
@@ -974,7 +1104,7 @@ def train(args, rank: int, world_size: int, device: torch.device) -> None:
 
     def validate(epoch: int) -> float | None:
         if opt_step not in evaluated:
-            evaluated[opt_step] = evaluate(model, args, data.table, rank, world_size, device, tok)
+            evaluated[opt_step] = evaluate(model, args, data.at(epoch).table, rank, world_size, device, tok)
             seen = checked_tokens()
             if metrics:
                 metrics.write("eval", step=opt_step, epoch=epoch, tokens_seen=seen,
