@@ -41,6 +41,7 @@ from torch.utils.data import DataLoader
 import blocks_loaders
 import storage
 from blocks_loaders import MODE_FORMAT
+from ckpt_lock import CheckpointDirLock
 from common import (
     DEFAULT_DB,
     DEFAULT_TABLE,
@@ -984,9 +985,37 @@ def ensure_demo_corpus(args, is_main: bool, world_size: int) -> None:
     barrier(world_size)
 
 
+@contextlib.contextmanager
+def checkpoint_dir_lock(args, rank: int, world_size: int):
+    """Rank 0 holds --ckpt-dir's lock for the run, for all its ranks; a refusal reaches every
+    rank, so none waits on a peer that is leaving."""
+    lock = CheckpointDirLock(args.ckpt_dir, args.force_unlock) if rank == 0 else None
+    refused = None
+    if lock is not None:
+        try:
+            warning = lock.acquire()
+            if warning:
+                print(warning, file=sys.stderr, flush=True)
+        except UserError as e:
+            refused = str(e)
+    refused = broadcast_from_main(refused, world_size)
+    if refused:
+        raise UserError(refused)
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
 def train(args, rank: int, world_size: int, device: torch.device) -> None:
-    is_main = rank == 0
     num_splits = check_args(args, world_size)
+    with checkpoint_dir_lock(args, rank, world_size):
+        train_locked(args, rank, world_size, device, num_splits)
+
+
+def train_locked(args, rank: int, world_size: int, device: torch.device, num_splits: int) -> None:
+    is_main = rank == 0
     global_batch = args.batch_size * world_size
     tok = load_tokenizer(args.tokenizer)
     ckpt, loader_state = None, None

@@ -10,6 +10,8 @@ import datetime
 import json
 import pathlib
 import random
+import socket
+import time
 
 import lancedb
 import pytest
@@ -17,7 +19,8 @@ import torch
 
 import prepare_data
 import train
-from conftest import assert_user_error, read_trace, run_script, run_train
+from conftest import (assert_user_error, kill_tree, process_tree, read_trace, run_script, run_train,
+                      start_train)
 
 SEQ_LEN, BATCH = 64, 4
 FAST = ["--model", "tiny", "--seq-len", SEQ_LEN, "--batch-size", BATCH, "--num-splits", 4,
@@ -186,3 +189,60 @@ def test_a_checkpoint_that_would_run_code_is_refused_and_runs_nothing(tmp_path, 
     assert "skipping checkpoint" in proc.stderr and "(epoch 0, opt step 2)" in proc.stdout
     assert not marker.exists()
     assert collections.Counter(p.suffix for p in ck.iterdir()) == {".pt": 3}
+
+
+# ── One run per checkpoint directory ──────────────────────────────────────────
+
+
+def test_a_second_run_on_a_locked_dir_is_refused_and_a_killed_runs_lock_is_taken_over(tmp_path):
+    """Two ranks share the first run's lock; a second run (two ranks too) is refused at once on
+    every rank, naming the holder; once the first is SIGKILLed, --resume auto takes over."""
+    db = make_corpus(tmp_path)
+    ck = tmp_path / "ck"
+    first = start_train(2, "--db", db, *FAST, "--batch-size", BATCH // 2, "--epochs", 1000,
+                        "--ckpt-every", 2, "--ckpt-dir", ck, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(ck.glob("step_*.pt")) and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert first.poll() is None and list(ck.glob("step_*.pt")), first.communicate()
+        holder = json.loads((ck / "train.lock").read_text())
+        assert holder["host"] == socket.gethostname() and holder["pid"] in process_tree(first.pid)
+
+        proc = run_train(2, "--db", db, *FAST, "--batch-size", BATCH // 2, "--steps", 4,
+                         "--ckpt-dir", ck, "--resume", "auto", cwd=tmp_path, timeout=120)
+        assert proc.returncode != 0  # torchrun reports its failed ranks (exit 2) in a traceback of its own
+        refusals = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        assert len(refusals) == 2 and all(f"is in use by pid {holder['pid']} on host {holder['host']}" in line
+                                for line in refusals), proc.stderr
+        assert first.poll() is None  # the holder trains on, untouched
+    finally:
+        kill_tree(first.pid)
+        first.communicate()
+
+    proc = run_script("train.py", "--db", db, *FAST, "--steps", 2, "--ckpt-dir", ck, "--resume", "auto",
+                      cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert f"taking over the stale lock {ck / 'train.lock'} of pid {holder['pid']}" in proc.stderr
+    assert "resumed from" in proc.stdout and not (ck / "train.lock").exists()
+
+
+def test_a_lock_from_another_host_needs_force_unlock(tmp_path, run, capsys):
+    db = make_corpus(tmp_path)
+    ck = tmp_path / "ck"
+    run(db, ck, "--steps", 2)
+    lock = {"host": "gpu-node-17", "boot_id": None, "pid": 4242, "starttime": None,
+            "started": "2026-12-01T08:00:00+00:00", "argv": ["train.py"]}
+    (ck / "train.lock").write_text(json.dumps(lock))
+    before = sorted(p.name for p in ck.iterdir())
+    proc = run_script("train.py", "--db", db, *FAST, "--steps", 4, "--ckpt-dir", ck, "--resume", "auto",
+                      cwd=tmp_path)
+    assert_user_error(proc, "in use by pid 4242 on host gpu-node-17", "--force-unlock")
+    assert sorted(p.name for p in ck.iterdir()) == before
+
+    train.main([str(a) for a in ("--db", db, *FAST, "--steps", 4, "--ckpt-dir", ck, "--resume", "auto",
+                                 "--force-unlock")])
+    out, err = capsys.readouterr()
+    assert "warning: --force-unlock: taking over the lock" in err and "gpu-node-17" in err
+    assert "resumed from" in out and (ck / "step_00000004.pt").exists()
+    assert not (ck / "train.lock").exists()
