@@ -52,6 +52,7 @@ from common import (
     check_table_tokenizer,
     connect_table,
     corpus_filter,
+    is_remote,
     load_tokenizer,
     packed_token_count,
 )
@@ -286,6 +287,9 @@ def check_args(args, world_size: int) -> int:
         if args.resume and args.blocks_mode != "lance":
             raise UserError(f"--blocks-mode {args.blocks_mode} keeps no loader state, so it cannot "
                             f"--resume; --blocks-mode off and lance resume mid-epoch")
+    if is_remote(args.ckpt_dir):
+        raise UserError(f"--ckpt-dir {args.ckpt_dir!r}: checkpoints go to a filesystem path (local, or "
+                        f"shared by every node such as NFS or Lustre), not to object storage")
     if args.data_version not in ("", "latest") and not args.data_version.isdigit():
         raise UserError(f"--data-version must be a version number or 'latest' (got {args.data_version!r})")
     global_batch = args.batch_size * world_size

@@ -212,9 +212,8 @@ def test_a_second_run_on_a_locked_dir_is_refused_and_a_killed_runs_lock_is_taken
         proc = run_train(2, "--db", db, *FAST, "--batch-size", BATCH // 2, "--steps", 4,
                          "--ckpt-dir", ck, "--resume", "auto", cwd=tmp_path, timeout=120)
         assert proc.returncode != 0  # torchrun reports its failed ranks (exit 2) in a traceback of its own
-        refusals = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-        assert len(refusals) == 2 and all(f"is in use by pid {holder['pid']} on host {holder['host']}" in line
-                                for line in refusals), proc.stderr
+        # Both ranks print the refusal (their lines may interleave) and leave; none waits on the other.
+        assert proc.stderr.count(f"is in use by pid {holder['pid']} on host {holder['host']}") == 2, proc.stderr
         assert first.poll() is None  # the holder trains on, untouched
     finally:
         kill_tree(first.pid)

@@ -180,6 +180,7 @@ def test_empty_validation_split_is_reported_not_zero(tmp_path):
     (["--seq-len", "1"], "--seq-len must be at least 2"),
     (["--tokenizer", "nope"], "unknown tokenizer"),
     (["--resume", "missing.pt"], "does not exist"),
+    (["--ckpt-dir", "s3://bucket/ck"], "not to object storage"),
 ])
 def test_bad_flags_are_one_line_errors(demo_db, tmp_path, flags, fragment):
     proc = run_script("train.py", "--db", demo_db, "--steps", "2", "--ckpt-dir", tmp_path / "ck",
