@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+import preemption
 import storage
 from common import UserError, is_remote
 
@@ -318,7 +319,7 @@ class BlocksEpochs:
         self.manifest = read_manifest(path, MODE_FORMAT[mode])
         loader_kwargs = dict(batch_size=batch_size, num_workers=self.num_workers,
                              multiprocessing_context=mp_context, pin_memory=pin_memory,
-                             prefetch_factor=4)
+                             prefetch_factor=4, worker_init_fn=preemption.ignore_interrupts)
         if mode == "mosaic":
             from streaming import StreamingDataLoader
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import functools
 import itertools
 import json
@@ -39,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 import blocks_loaders
+import preemption
 import storage
 from blocks_loaders import MODE_FORMAT
 from ckpt_lock import CheckpointDirLock
@@ -245,6 +247,21 @@ def parse_args(argv=None) -> argparse.Namespace:
         "(a lock of a dead process on this host is taken over without it)",
     )
     p.add_argument(
+        "--stop-signals",
+        default=preemption.DEFAULT_STOP_SIGNALS,
+        metavar="SIG[,SIG]",
+        help="signals that mean: finish the optimizer step, checkpoint it on every rank, exit 0 "
+        "(Ctrl-C does the same once; a second Ctrl-C exits at once)",
+    )
+    p.add_argument(
+        "--dist-timeout",
+        type=int,
+        default=600,
+        metavar="SECONDS",
+        help="how long a collective waits for a peer before the run ends with an error "
+        "(a rank that died or hung); checkpoint saves and evals must fit in it",
+    )
+    p.add_argument(
         "--blocks-per-epoch",
         default="",
         help="packed block budget; default: exact value computed from the "
@@ -260,7 +277,8 @@ def check_args(args, world_size: int) -> int:
                              ("--log-every", args.log_every, 1), ("--ckpt-every", args.ckpt_every, 1),
                              ("--read-batch-size", args.read_batch_size, 1),
                              ("--io-queue-depth", args.io_queue_depth, 1),
-                             ("--transform-parallelism", args.transform_parallelism, 1)):
+                             ("--transform-parallelism", args.transform_parallelism, 1),
+                             ("--dist-timeout", args.dist_timeout, 1)):
         if value < low:
             raise UserError(f"{flag} must be at least {low} (got {value})")
     for flag, value in (("--steps", args.steps), ("--num-splits", args.num_splits),
@@ -311,12 +329,15 @@ def check_args(args, world_size: int) -> int:
     return num_splits
 
 
-def setup_distributed() -> tuple[int, int, torch.device]:
+def setup_distributed(timeout_s: int) -> tuple[int, int, torch.device]:
+    """Rank, world size and device; a collective that waits longer than `timeout_s` for a
+    peer fails instead of hanging the run."""
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if world_size > 1:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
@@ -407,6 +428,7 @@ def make_loader(ds, args, device: torch.device, splits_per_rank: int):
         num_workers=args.num_workers,
         multiprocessing_context=args.mp_context,
         pin_memory=pin,
+        worker_init_fn=preemption.ignore_interrupts,
     )
     return interleave_workers(loader, args.num_workers, splits_per_rank // args.num_workers)
 
@@ -1012,13 +1034,15 @@ def checkpoint_dir_lock(args, rank: int, world_size: int):
             lock.release()
 
 
-def train(args, rank: int, world_size: int, device: torch.device) -> None:
+def train(args, rank: int, world_size: int, device: torch.device,
+          stop: preemption.StopSignals | None = None) -> None:
     num_splits = check_args(args, world_size)
     with checkpoint_dir_lock(args, rank, world_size):
-        train_locked(args, rank, world_size, device, num_splits)
+        train_locked(args, rank, world_size, device, num_splits, stop)
 
 
-def train_locked(args, rank: int, world_size: int, device: torch.device, num_splits: int) -> None:
+def train_locked(args, rank: int, world_size: int, device: torch.device, num_splits: int,
+                 stop: preemption.StopSignals | None) -> None:
     is_main = rank == 0
     global_batch = args.batch_size * world_size
     tok = load_tokenizer(args.tokenizer)
@@ -1150,6 +1174,8 @@ def train_locked(args, rank: int, world_size: int, device: torch.device, num_spl
                                                         num_splits, start_epoch, loader_state))
     waited_last = 0.0
     trace = SampleTrace(args.trace_samples, rank) if args.trace_samples else None
+    vote = preemption.StopVote(world_size, device)
+    stopped = False
     micro = 0
     for epoch, ds, batch in batches:
         trained = True
@@ -1211,11 +1237,21 @@ def train_locked(args, rank: int, world_size: int, device: torch.device, num_spl
             val = validate(epoch)
             if is_main:
                 print(f"  val loss @ step {opt_step}: {format_val(val, args)}", flush=True)
+        if vote.stop_now(stop is not None and stop.requested is not None):
+            stopped = True
+            break
         if args.steps and opt_step >= args.steps:
             break
     batches.close()  # stops loader workers now, not at interpreter exit
+    vote.settle()
     if trained and opt_step != last_saved:  # the end of the run is always resumable
         save(epoch, ds, batch)
+    if stopped:
+        if is_main:
+            why = stop.requested or "a stop signal on another rank"
+            print(f"{tag}stopped by {why} at step {opt_step}: saved "
+                  f"{checkpoint_path(args.ckpt_dir, opt_step)}; continue with --resume auto", flush=True)
+        return
 
     val = validate(epoch)
     seen = checked_tokens()
@@ -1273,30 +1309,47 @@ def main(argv=None) -> None:
         # created in the *default* mp context, so make that the same
         # (non-fork) context the DataLoader workers will use.
         mp.set_start_method(args.mp_context, force=True)
-    rank, world_size, device = setup_distributed()
+    try:
+        stop = preemption.StopSignals(preemption.parse_signals(args.stop_signals))
+    except ValueError as e:
+        print(f"error: --stop-signals {args.stop_signals!r}: {e}", file=sys.stderr)
+        sys.exit(2)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: never outlive its agent
+        preemption.exit_with_parent()
+    rank, world_size, device = setup_distributed(args.dist_timeout)
     torch.set_float32_matmul_precision("high")
+    code = 0
     try:
         storage.configure(args.storage_option)
-        train(args, rank, world_size, device)
+        train(args, rank, world_size, device, stop)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        if world_size > 1 or args.num_workers:
-            # Peers may be blocked in a collective and workers can hang teardown.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(2)
-        sys.exit(2)
-    if world_size > 1:
+        code = 2
+    except KeyboardInterrupt:
+        print("interrupted by a second Ctrl-C: the step in progress is not checkpointed; the newest "
+              "complete checkpoint is intact (--resume auto)", file=sys.stderr)
+        code = 130
+    except Exception as e:
+        why = preemption.describe_comm_failure(e) if world_size > 1 else None
+        if why is None:
+            raise
+        print(f"error: rank {rank} lost contact with the other ranks ({why}): one died, or hung for "
+              f"more than --dist-timeout {args.dist_timeout} s; the newest complete checkpoint is "
+              f"intact (--resume auto)", file=sys.stderr)
+        code = 1
+    if world_size > 1 and code == 0:
         dist.destroy_process_group()
     if world_size > 1 or args.num_workers or args.blocks_mode in blocks_loaders.BASELINE_MODES:
         # Teardown at interpreter exit can hang, or abort ("terminate called without
         # an active exception"), when loader threads and workers, lancedb's runtime
-        # and the process group finalize in arbitrary order; everything is flushed
-        # and checkpointed by now, so leave without running finalizers.
+        # and the process group finalize in arbitrary order, and after an error peers
+        # may be blocked in a collective; everything is flushed and checkpointed by
+        # now, so leave without running finalizers.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
-
+        os._exit(code)
+    if code:
+        sys.exit(code)
 
 if __name__ == "__main__":
     main()

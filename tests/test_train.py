@@ -181,6 +181,8 @@ def test_empty_validation_split_is_reported_not_zero(tmp_path):
     (["--tokenizer", "nope"], "unknown tokenizer"),
     (["--resume", "missing.pt"], "does not exist"),
     (["--ckpt-dir", "s3://bucket/ck"], "not to object storage"),
+    (["--stop-signals", "SIGTERM,SIGFOO"], "unknown signal 'SIGFOO'"),
+    (["--stop-signals", "SIGKILL"], "cannot be caught"),
 ])
 def test_bad_flags_are_one_line_errors(demo_db, tmp_path, flags, fragment):
     proc = run_script("train.py", "--db", demo_db, "--steps", "2", "--ckpt-dir", tmp_path / "ck",

@@ -1,0 +1,136 @@
+"""Leaving a run cleanly: stop signals, a dead launcher, and peers that vanish.
+
+Clusters preempt with a signal and a grace period before SIGKILL (SLURM, Kubernetes,
+spot instances). `StopSignals` turns SIGTERM / SIGUSR1 (configurable) and a first
+Ctrl-C into a request that the training loop honours at an optimizer-step boundary;
+`StopVote` makes every rank see the request at the same step, so no rank is left
+waiting in a collective for a peer that has gone to write its checkpoint.
+
+`exit_with_parent` asks the kernel for a SIGTERM when the process that launched this
+one dies (torchrun's agent, killed on its own by the OOM killer say), so ranks never
+outlive their launcher; their DataLoader workers follow them (torch's worker watchdog).
+
+`describe_comm_failure` names a collective that failed because a peer died or hung past
+the process group's timeout, for a one-line exit instead of a C++ backtrace.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_STOP_SIGNALS = "SIGTERM,SIGUSR1"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def parse_signals(spec: str) -> list[signal.Signals]:
+    """'SIGTERM,SIGUSR1' (or 'TERM,usr1') -> the signals; ValueError names a bad one.
+    SIGINT may be listed but need not be: a first Ctrl-C always asks for a stop."""
+    found = []
+    for name in filter(None, (part.strip().upper() for part in spec.split(","))):
+        name = name if name.startswith("SIG") else f"SIG{name}"
+        sig = getattr(signal.Signals, name, None)
+        if sig is None:
+            raise ValueError(f"unknown signal {name!r}")
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise ValueError(f"{name} cannot be caught, so it cannot ask for a checkpoint")
+        if sig != signal.SIGINT:
+            found.append(sig)
+    return found
+
+
+class StopSignals:
+    """Records the first stop signal; the training loop polls `requested`.
+
+    A second Ctrl-C raises KeyboardInterrupt at once: the user means it.
+    """
+
+    def __init__(self, signals: list[signal.Signals]):
+        self.requested: str | None = None
+        for sig in signals:
+            signal.signal(sig, self._handle)
+        signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.requested == "SIGINT":
+            raise KeyboardInterrupt
+        if self.requested is None:
+            self.requested = signal.Signals(signum).name
+
+
+class StopVote:
+    """All ranks agree on the optimizer step at which to stop.
+
+    Each step every rank contributes its own wish to an all-reduce (MAX) that runs
+    in the background while the next step computes; the result is read one step
+    later, so the vote never stalls the device and a run stops at the end of the
+    step after the one a signal arrived in. Every rank reads the same result at the
+    same step, so all stop together even if only one got the signal.
+    """
+
+    def __init__(self, world_size: int, device: torch.device):
+        self.world_size = world_size
+        self.flag = torch.zeros(1, dtype=torch.int32, device=device)
+        self.pending = None
+
+    def stop_now(self, wish: bool) -> bool:
+        if self.world_size == 1:
+            return wish
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+            if self.flag.item():
+                return True
+        self.flag.fill_(int(wish))
+        self.pending = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, async_op=True)
+        return False
+
+    def settle(self) -> None:
+        """Wait for the vote in flight, if any, before the run's other collectives end it."""
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+
+
+def exit_with_parent() -> None:
+    """SIGTERM this process when its parent dies (Linux; a no-op elsewhere).
+
+    The kernel delivers it even while the process is blocked in native code; the
+    handler then stops the run at the next step like any other stop signal.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it died before the request was in place
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+# What gloo and NCCL say when a peer is gone or a collective outlives the timeout.
+_COMM_FAILURE = re.compile(r"gloo|nccl|connection (reset|closed|refused)|timed out|timeout|"
+                           r"pair closure|broken pipe|socket|peer", re.I)
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*")
+
+
+def describe_comm_failure(error: BaseException) -> str | None:
+    """The first sentence of a failed collective's error, or None for any other error."""
+    if not isinstance(error, (dist.DistError, RuntimeError)) or not _COMM_FAILURE.search(str(error)):
+        return None
+    text = _SOURCE_PREFIX.sub("", str(error).strip().splitlines()[0])
+    return text.split(". ")[0].rstrip(".")[:300]
+
+
+def ignore_interrupts(worker_id: int = 0) -> None:
+    """DataLoader worker_init_fn: a terminal's Ctrl-C reaches the loader workers too, and
+    the rank, which finishes its step and checkpoints, still needs them to."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -1,0 +1,180 @@
+"""Preemption under real signals: a stop signal checkpoints every rank at one agreed step and
+exits 0, the resume loses and repeats no step; ranks and loader workers never outlive a
+killed torchrun agent; a rank whose peer died or hung ends with one line.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import train
+from conftest import (REPO, free_port, is_alive, kill_tree, process_tree, read_trace, run_train,
+                      start_train, wait_gone)
+
+STEPS = 16
+FAST = ["--model", "tiny", "--seq-len", 64, "--log-every", 4, "--eval-batches", 1, "--warmup-steps", 2,
+        "--lr-total-steps", STEPS, "--num-splits", 4]
+GRACE = 30  # seconds: a typical preemption grace period, and torchrun's shutdown timeout
+STOPPED = re.compile(r"stopped by (\w+) at step (\d+): saved (\S+); continue with --resume auto")
+
+
+def flags(db, nproc, *extra):
+    return ["--db", db, *FAST, "--batch-size", 8 // nproc, *extra]
+
+
+def wait_for_steps(trace_dir, steps, proc, timeout=180):
+    """Block until rank 0 has traced `steps` optimizer steps (the run is mid-training)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        records = read_trace(trace_dir).get(0, []) if os.path.isdir(trace_dir) else []
+        if len(records) >= steps:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"no {steps} steps within {timeout}s")
+
+
+def steps_per_rank(trace_dir):
+    return {rank: [r["step"] for r in records] for rank, records in read_trace(trace_dir).items()}
+
+
+def samples_per_step(trace_dir):
+    found = {}
+    for records in read_trace(trace_dir).values():
+        for r in records:
+            found.setdefault(r["step"], []).extend(r["samples"])
+    return {step: sorted(samples) for step, samples in found.items()}
+
+
+def newest_step(ck):
+    path, ckpt, _ = train.newest_complete_checkpoint(str(ck))
+    return ckpt["opt_step"]
+
+
+def test_sigterm_to_torchrun_checkpoints_at_one_step_and_the_resume_loses_none(demo_db, tmp_path):
+    straight = run_train(2, *flags(demo_db, 2, "--steps", STEPS, "--ckpt-dir", tmp_path / "ck-straight",
+                                   "--trace-samples", tmp_path / "t-straight"), cwd=tmp_path)
+    assert straight.returncode == 0, straight.stderr
+    ck, trace = tmp_path / "ck", tmp_path / "t-cut"
+    first = start_train(2, *flags(demo_db, 2, "--steps", STEPS, "--ckpt-every", 100, "--ckpt-dir", ck,
+                                  "--trace-samples", trace), cwd=tmp_path)
+    try:
+        wait_for_steps(trace, 3, first)
+        sent = time.monotonic()
+        first.send_signal(signal.SIGTERM)  # to torchrun's agent, as a scheduler does; it forwards it
+        out, err = first.communicate(timeout=GRACE)
+        took = time.monotonic() - sent
+    finally:
+        kill_tree(first.pid)
+    stopped = STOPPED.search(out)
+    assert stopped and stopped[1] == "SIGTERM", out + err
+    step = int(stopped[2])
+    assert 3 <= step < STEPS and took < GRACE
+    assert newest_step(ck) == step and stopped[3] == str(ck / f"step_{step:08d}.pt")
+    assert "error:" not in err and "lost contact" not in err, err
+    assert steps_per_rank(trace) == {0: list(range(1, step + 1)), 1: list(range(1, step + 1))}
+
+    resumed = run_train(2, *flags(demo_db, 2, "--steps", STEPS, "--ckpt-dir", ck, "--resume", "auto",
+                                  "--trace-samples", trace), cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"(epoch 0, opt step {step})" in resumed.stdout
+    every_step = list(range(1, STEPS + 1))
+    assert steps_per_rank(trace) == {0: every_step, 1: every_step}  # none lost, none repeated
+    assert samples_per_step(trace) == samples_per_step(tmp_path / "t-straight")
+
+
+@pytest.mark.parametrize("how", ["SIGUSR1", "Ctrl-C"])
+def test_a_stop_signal_ends_a_single_process_run_with_exit_0(demo_db, tmp_path, how):
+    """SIGUSR1 to the process; Ctrl-C as a terminal sends it, to the whole process group,
+    loader workers included (they must ignore it and keep feeding the last step)."""
+    ck, trace = tmp_path / "ck", tmp_path / "trace"
+    proc = start_train(1, *flags(demo_db, 1, "--epochs", 100, "--ckpt-every", 1000, "--ckpt-dir", ck,
+                                 "--trace-samples", trace, "--num-workers", 2), cwd=tmp_path)
+    try:
+        wait_for_steps(trace, 2, proc)
+        if how == "SIGUSR1":
+            proc.send_signal(signal.SIGUSR1)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=GRACE)
+    finally:
+        kill_tree(proc.pid)
+    assert proc.returncode == 0, out + err
+    stopped = STOPPED.search(out)
+    assert stopped and stopped[1] == ("SIGINT" if how == "Ctrl-C" else how), out + err
+    assert newest_step(ck) == int(stopped[2]) and not (ck / "train.lock").exists()
+
+
+def test_a_second_ctrl_c_exits_at_once(demo_db, tmp_path):
+    ck, trace = tmp_path / "ck", tmp_path / "trace"
+    proc = start_train(1, *flags(demo_db, 1, "--epochs", 100, "--ckpt-every", 1000, "--ckpt-dir", ck,
+                                 "--trace-samples", trace), cwd=tmp_path)
+    try:
+        wait_for_steps(trace, 2, proc)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=GRACE)
+    finally:
+        kill_tree(proc.pid)
+    assert proc.returncode == 130 and "Traceback" not in err, out + err
+    assert err.strip().splitlines()[-1].startswith("interrupted by a second Ctrl-C")
+    assert not STOPPED.search(out) and not (ck / "train.lock").exists()
+
+
+def test_ranks_and_loader_workers_never_outlive_a_killed_agent(demo_db, tmp_path):
+    """The agent SIGKILLed alone (an OOM kill): its ranks get SIGTERM from the kernel, checkpoint
+    together and exit, and their loader workers follow; the checkpoint left is complete."""
+    ck, trace = tmp_path / "ck", tmp_path / "trace"
+    agent = start_train(2, *flags(demo_db, 2, "--epochs", 100, "--ckpt-every", 1000, "--ckpt-dir", ck,
+                                  "--trace-samples", trace, "--num-workers", 1), cwd=tmp_path)
+    try:
+        wait_for_steps(trace, 2, agent)
+        tree = process_tree(agent.pid)
+        assert len(tree) >= 1 + 2 + 2, tree  # the agent, 2 ranks, and their loader processes
+        os.kill(agent.pid, signal.SIGKILL)
+        survivors = wait_gone(tree, timeout=GRACE)
+        out, err = agent.communicate(timeout=10)
+    finally:
+        kill_tree(agent.pid)
+    assert survivors == [], [open(f"/proc/{pid}/cmdline").read() for pid in survivors if is_alive(pid)]
+    stopped = STOPPED.search(out)
+    assert stopped and stopped[1] == "SIGTERM", out + err
+    assert newest_step(ck) == int(stopped[2]) and not (ck / "train.lock").exists()
+
+
+@pytest.mark.parametrize("fate", ["killed", "hung"])
+def test_a_rank_whose_peer_is_gone_ends_with_one_line(demo_db, tmp_path, fate):
+    """Two ranks started by hand (no agent to clean up after them): rank 1 is SIGKILLed, or
+    SIGSTOPped as a hung peer; rank 0 leaves within --dist-timeout with one clear line."""
+    timeout = 10
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    trace = tmp_path / "trace"
+    args = flags(demo_db, 2, "--epochs", 100, "--ckpt-every", 1000, "--ckpt-dir", tmp_path / "ck",
+                 "--trace-samples", trace, "--dist-timeout", timeout)
+    ranks = [subprocess.Popen([sys.executable, str(REPO / "train.py"), *map(str, args)], cwd=tmp_path,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+             for r in (0, 1)]
+    try:
+        wait_for_steps(trace, 2, ranks[0])
+        os.kill(ranks[1].pid, signal.SIGKILL if fate == "killed" else signal.SIGSTOP)
+        sent = time.monotonic()
+        out, err = ranks[0].communicate(timeout=timeout + GRACE)
+        took = time.monotonic() - sent
+    finally:
+        for proc in ranks:
+            kill_tree(proc.pid)
+            proc.communicate()
+    assert ranks[0].returncode == 1, out + err
+    errors = [line for line in err.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error: rank 0 lost contact with the other ranks"), err
+    assert f"--dist-timeout {timeout} s" in errors[0]
+    assert took < timeout + GRACE
+    assert not (tmp_path / "ck" / "train.lock").exists()
