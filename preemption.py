@@ -46,16 +46,24 @@ def parse_signals(spec: str) -> list[signal.Signals]:
 
 
 class StopSignals:
-    """Records the first stop signal; the training loop polls `requested`.
+    """While entered, records the first stop signal; the training loop polls `requested`.
 
     A second Ctrl-C raises KeyboardInterrupt at once: the user means it.
     """
 
     def __init__(self, signals: list[signal.Signals]):
         self.requested: str | None = None
-        for sig in signals:
-            signal.signal(sig, self._handle)
-        signal.signal(signal.SIGINT, self._handle)
+        self.signals = [*signals, signal.SIGINT]
+        self.previous: dict = {}
+
+    def __enter__(self) -> StopSignals:
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in self.signals}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Put the previous handlers back (train.main may run inside another program)."""
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
     def _handle(self, signum, frame) -> None:
         if signum == signal.SIGINT and self.requested == "SIGINT":
@@ -76,26 +84,39 @@ class StopVote:
 
     def __init__(self, world_size: int, device: torch.device):
         self.world_size = world_size
+        self.cuda = device.type == "cuda"
         self.flag = torch.zeros(1, dtype=torch.int32, device=device)
-        self.pending = None
+        self.result = torch.zeros(1, dtype=torch.int32, pin_memory=self.cuda)
+        self.pending = None  # the reduction in flight
+        self.copied = None  # on CUDA: an event after its result's copy to the host
 
     def stop_now(self, wish: bool) -> bool:
         if self.world_size == 1:
             return wish
         if self.pending is not None:
-            self.pending.wait()
-            self.pending = None
-            if self.flag.item():
+            self.settle()
+            if self.result.item():
                 return True
         self.flag.fill_(int(wish))
         self.pending = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, async_op=True)
+        if self.cuda:  # queue the copy behind the reduction; the host waits for it next step only
+            self.pending.wait()
+            self.result.copy_(self.flag, non_blocking=True)
+            self.copied = torch.cuda.Event()
+            self.copied.record()
         return False
 
     def settle(self) -> None:
-        """Wait for the vote in flight, if any, before the run's other collectives end it."""
-        if self.pending is not None:
+        """Wait for the vote in flight, if any (before reading it, and before the run's
+        other collectives end it)."""
+        if self.pending is None:
+            return
+        if self.cuda:
+            self.copied.synchronize()
+        else:
             self.pending.wait()
-            self.pending = None
+            self.result.copy_(self.flag)
+        self.pending = None
 
 
 def exit_with_parent() -> None:

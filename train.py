@@ -1310,12 +1310,30 @@ def main(argv=None) -> None:
         # (non-fork) context the DataLoader workers will use.
         mp.set_start_method(args.mp_context, force=True)
     try:
-        stop = preemption.StopSignals(preemption.parse_signals(args.stop_signals))
+        signals = preemption.parse_signals(args.stop_signals)
     except ValueError as e:
         print(f"error: --stop-signals {args.stop_signals!r}: {e}", file=sys.stderr)
         sys.exit(2)
     if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: never outlive its agent
         preemption.exit_with_parent()
+    with preemption.StopSignals(signals) as stop:
+        world_size, code = run(args, stop)
+    if world_size > 1 or args.num_workers or args.blocks_mode in blocks_loaders.BASELINE_MODES:
+        # Teardown at interpreter exit can hang, or abort ("terminate called without
+        # an active exception"), when loader threads and workers, lancedb's runtime
+        # and the process group finalize in arbitrary order, and after an error peers
+        # may be blocked in a collective; everything is flushed and checkpointed by
+        # now, so leave without running finalizers.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    if code:
+        sys.exit(code)
+
+
+def run(args, stop: preemption.StopSignals) -> tuple[int, int]:
+    """Train on this rank; returns (world size, exit code), each way a run can end told
+    in one line."""
     rank, world_size, device = setup_distributed(args.dist_timeout)
     torch.set_float32_matmul_precision("high")
     code = 0
@@ -1339,17 +1357,7 @@ def main(argv=None) -> None:
         code = 1
     if world_size > 1 and code == 0:
         dist.destroy_process_group()
-    if world_size > 1 or args.num_workers or args.blocks_mode in blocks_loaders.BASELINE_MODES:
-        # Teardown at interpreter exit can hang, or abort ("terminate called without
-        # an active exception"), when loader threads and workers, lancedb's runtime
-        # and the process group finalize in arbitrary order, and after an error peers
-        # may be blocked in a collective; everything is flushed and checkpointed by
-        # now, so leave without running finalizers.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    if code:
-        sys.exit(code)
+    return world_size, code
 
 if __name__ == "__main__":
     main()

@@ -111,9 +111,11 @@ def test_a_stop_signal_ends_a_single_process_run_with_exit_0(demo_db, tmp_path, 
 
 
 def test_a_second_ctrl_c_exits_at_once(demo_db, tmp_path):
+    """Steps of ~0.5 s: the second Ctrl-C, 50 ms after the first, lands before a graceful stop."""
     ck, trace = tmp_path / "ck", tmp_path / "trace"
     proc = start_train(1, *flags(demo_db, 1, "--epochs", 100, "--ckpt-every", 1000, "--ckpt-dir", ck,
-                                 "--trace-samples", trace), cwd=tmp_path)
+                                 "--trace-samples", trace, "--seq-len", 256, "--batch-size", 16),
+                       cwd=tmp_path)
     try:
         wait_for_steps(trace, 2, proc)
         proc.send_signal(signal.SIGINT)
