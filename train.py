@@ -1318,12 +1318,14 @@ def main(argv=None) -> None:
         preemption.exit_with_parent()
     with preemption.StopSignals(signals) as stop:
         world_size, code = run(args, stop)
-    if world_size > 1 or args.num_workers or args.blocks_mode in blocks_loaders.BASELINE_MODES:
+    baseline_ran = code == 0 and args.blocks_mode in blocks_loaders.BASELINE_MODES
+    if world_size > 1 or args.num_workers or baseline_ran:
         # Teardown at interpreter exit can hang, or abort ("terminate called without
         # an active exception"), when loader threads and workers, lancedb's runtime
         # and the process group finalize in arbitrary order, and after an error peers
         # may be blocked in a collective; everything is flushed and checkpointed by
-        # now, so leave without running finalizers.
+        # now, so leave without running finalizers. (A baseline refused at the start
+        # has no loader workers yet: it exits normally, also when called in-process.)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
