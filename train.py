@@ -86,6 +86,10 @@ CKPT_NAME = re.compile(r"^step_(\d{8})\.pt$")
 UNSAFE_GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)")
 WEIGHTS_ONLY_ERROR = re.compile(r"WeightsUnpickler error: \s*(\S[^\n]*)")
 
+# Per rank. The loader's tokens/s on this project's benchmarks is flat from a few MiB up,
+# and 256 MiB holds over a minute of a fast GPU's tokens as Arrow (README 'Bounded read-ahead').
+DEFAULT_LOADER_BUFFER_MB = 256
+
 # Settings that fix the sample order or the model: a resume must not change them.
 RESUME_INVARIANTS = ("num_splits", "shuffle_seed", "seq_len", "pack", "doc_mask", "tokenizer",
                      "model", "min_score", "global_batch", "data")
@@ -124,6 +128,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=0,
         help="cap on post-transform rows per split, in read batches "
         "(0 = loader default, unbounded; 16 avoids GC pauses on long runs)",
+    )
+    p.add_argument(
+        "--loader-buffer-mb",
+        type=float,
+        default=DEFAULT_LOADER_BUFFER_MB,
+        metavar="MB",
+        help="most fetched-but-not-trained data each rank's lance loader holds, in MiB of "
+        "Arrow (split between --num-workers); each split may always hold about two read "
+        f"batches beyond it. 0 = no bound (lancedb 0.40's default, which reads ahead "
+        f"until it holds the rank's whole epoch share). Default {DEFAULT_LOADER_BUFFER_MB:g}: "
+        "see README 'Bounded read-ahead'",
     )
     p.add_argument(
         "--num-workers",
@@ -285,7 +300,8 @@ def check_args(args, world_size: int) -> int:
                         ("--num-workers", args.num_workers), ("--eval-every", args.eval_every),
                         ("--eval-batches", args.eval_batches), ("--warmup-steps", args.warmup_steps),
                         ("--lr-total-steps", args.lr_total_steps), ("--keep-last", args.keep_last),
-                        ("--transform-queue-depth", args.transform_queue_depth)):
+                        ("--transform-queue-depth", args.transform_queue_depth),
+                        ("--loader-buffer-mb", args.loader_buffer_mb)):
         if value < 0:
             raise UserError(f"{flag} must not be negative (got {value})")
     if args.doc_mask and not args.pack:
@@ -374,15 +390,17 @@ def data_filter(args, split_filter: str) -> str:
 
 def make_dataset(args, table, rank: int, world_size: int, *, epoch: int, shuffle: bool,
                  num_splits: int, **source):
-    """lancedb's StreamingDataset with this run's loader settings.
+    """lancedb's StreamingDataset with this run's loader settings, its read-ahead bounded
+    by --loader-buffer-mb (bounded_streaming.py).
 
     `source` says which rows to read and how they become samples: `corpus_source`
     for the corpus table, a blocks transform for the pre-packed blocks table.
     """
-    from lancedb.streaming import StreamingDataset
+    from bounded_streaming import BoundedStreamingDataset  # imports lancedb: not at module import
 
-    return StreamingDataset(
+    return BoundedStreamingDataset(
         table,
+        buffer_bytes=int(args.loader_buffer_mb * 2**20) or None,
         columns=["input_ids"],
         num_splits=num_splits,
         shuffle=shuffle,
@@ -431,6 +449,20 @@ def make_loader(ds, args, device: torch.device, splits_per_rank: int):
         worker_init_fn=preemption.ignore_interrupts,
     )
     return interleave_workers(loader, args.num_workers, splits_per_rank // args.num_workers)
+
+
+def read_ahead_line(args) -> str:
+    """The start-up line that states how much a rank's lance loader may read ahead."""
+    import bounded_streaming
+
+    if bounded_streaming.PROBLEM is not None:
+        return (f"loader: read-ahead NOT bounded: {bounded_streaming.PROBLEM} (bounded_streaming.py), "
+                f"so lancedb reads ahead without limit (upstream issue #3694)")
+    if not args.loader_buffer_mb:
+        return "loader: read-ahead not bounded (--loader-buffer-mb 0)"
+    workers = f", {args.loader_buffer_mb / args.num_workers:g} MiB per worker" if args.num_workers else ""
+    return (f"loader: read-ahead at most {args.loader_buffer_mb:g} MiB per rank{workers} "
+            f"(--loader-buffer-mb), plus about two read batches per split")
 
 
 def interleave_workers(loader, num_workers: int, splits_per_worker: int):
@@ -1108,6 +1140,8 @@ def train_locked(args, rank: int, world_size: int, device: torch.device, num_spl
         )
         kept = f"keeping the newest {args.keep_last}" if args.keep_last else "keeping all"
         print(f"checkpoints: {args.ckpt_dir} every {args.ckpt_every} steps and at the end, {kept}")
+        if args.blocks_mode in ("off", "lance"):
+            print(read_ahead_line(args))
         print(f"mfu: {peak_note}")
         if args.metrics_file:
             print(f"metrics: {args.metrics_file}")
