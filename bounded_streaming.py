@@ -15,6 +15,11 @@ What lancedb should change upstream:
 3. Split-local readers. A `PermutationReader` counts its split's rows, and loads its
    offset map, with a filtered scan of the whole permutation table: each split costs
    O(rows), so a rank's start-up costs O(rows x splits), again every epoch.
+4. The permutation builder sorts in a DataFusion memory pool of 100 MB unless
+   LANCEDB_PERM_BUILDER_MEMORY_LIMIT says otherwise (PR #2946), and fails ("Not enough
+   memory to continue external sort") from about 6M rows on. It should size the pool
+   from the row count. Until it does, a dataset built here sets that variable from the
+   table's row count when the user has not set it.
 
 How, from outside lancedb and without copying its pipeline: `lancedb.streaming.Permutation`,
 the one name `_iter_owned` builds its per-split readers with, is rebound to
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import os
 import threading
 import time
 
@@ -67,7 +73,11 @@ RELIED_ON = {
         "f7a7cb7842c6807be4db13f35a77b72913bf7df66968c77088bfda9ab171008c",
 }
 
-WAKE_S = 0.002  # how often reads that wait for the budget look at the consumer again
+PERM_MEMORY_ENV = "LANCEDB_PERM_BUILDER_MEMORY_LIMIT"
+PERM_BYTES_PER_ROW = 64  # the sort holds 16 bytes a row in one batch, and more while it merges
+_sized_perm_memory = PERM_MEMORY_ENV not in os.environ  # never override the user's setting
+WAKE_S = 0.002
+READ_ROWS = 1 << 20  # batch size for reading the permutation table back  # how often reads that wait for the budget look at the consumer again
 
 
 def _source_hash(qualname: str) -> str:
@@ -260,8 +270,8 @@ def split_tables(permutation_table, splits: list[int]) -> dict:
     import lancedb
 
     lo, hi = min(splits), max(splits) + 1
-    rows = permutation_table.search().where(f"split_id >= {lo} AND split_id < {hi}") \
-        .limit(None).to_arrow()
+    rows = permutation_table.search().where(f"split_id >= {lo} AND split_id < {hi}").limit(None) \
+        .to_batches(READ_ROWS).read_all()  # the default batch size makes this ~10x slower
     split_ids = rows.column("split_id").to_numpy()
     if np.any(split_ids[1:] < split_ids[:-1]):
         order = np.argsort(split_ids, kind="stable")
@@ -285,6 +295,8 @@ class BoundedStreamingDataset(_streaming.StreamingDataset):
     """
 
     def __init__(self, table, *, buffer_bytes: int | None = None, **kwargs):
+        if _sized_perm_memory:
+            os.environ[PERM_MEMORY_ENV] = str(max(100 * 2**20, PERM_BYTES_PER_ROW * table.count_rows()))
         super().__init__(table, **kwargs)
         self._buffer_bytes = buffer_bytes
         self._last_budget: ReadBudget | None = None
