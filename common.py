@@ -155,6 +155,33 @@ def write_stream(write: Callable, schema: pa.Schema, batches) -> None:
         raise
 
 
+def synthetic_corpus(db: str, rows: int, min_tokens: int, max_tokens: int, *, seed: int = 0,
+                     table: str = DEFAULT_TABLE, chunk_rows: int = 500_000):
+    """A corpus table of `rows` training documents of random byte-tokenizer ids, lengths
+    uniform in [min_tokens, max_tokens], written straight with pyarrow (millions of rows
+    in seconds): the big tables of the tests and benchmarks, with no ingest in the way."""
+    import lancedb
+
+    schema = corpus_schema(load_tokenizer("byte"))
+    rng = np.random.default_rng(seed)
+
+    def batches():
+        for first in range(0, rows, chunk_rows):
+            n = min(chunk_rows, rows - first)
+            lengths = rng.integers(min_tokens, max_tokens + 1, n, dtype=np.int32)
+            offsets = np.zeros(n + 1, dtype=np.int32)
+            np.cumsum(lengths, out=offsets[1:])
+            ids = rng.integers(0, 256, int(offsets[-1]), dtype=np.int32)
+            yield pa.record_batch([
+                pa.array(np.arange(first, first + n)), pa.nulls(n, pa.string()).fill_null(""),
+                pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids)), pa.array(lengths),
+                pa.array(np.full(n, 2.0, dtype=np.float32)), pa.array(np.zeros(n, dtype=bool)),
+                pa.array(np.full(n, "train"))], schema=schema)
+
+    return lancedb.connect(db).create_table(table, pa.RecordBatchReader.from_batches(schema, batches()),
+                                            mode="overwrite")
+
+
 def packed_token_count(table, where: str) -> tuple[int, int]:
     """Documents passing `where`, and their tokens once packed (one EOS after each).
 
