@@ -1,4 +1,4 @@
-"""Loader-only throughput (no model) of five paths over the same pre-packed blocks.
+"""Loader-only throughput (no model) of the loader paths over the same pre-packed blocks.
 
 Usage:
     python bench/loaders.py --blocks OUT --db DIR --table NAME --out FILE.json
@@ -16,7 +16,10 @@ blocks of the manifest's seq_len in one process (rank 0 of 1):
   I/O threads, num_splits = --batch-size);
 - lance: the pre-packed blocks table through the same StreamingDataset, in-process;
 - mosaic, parquet-random, parquet-seq: blocks_loaders.BlocksEpochs with --workers
-  DataLoader worker processes (forkserver).
+  DataLoader worker processes (forkserver);
+- lance-docs-unbounded, lance-unbounded: the two lance paths with no read-ahead bound
+  (--loader-buffer-mb 0, lancedb's own behaviour), timed side by side with the bounded
+  ones (--loader-buffer-mb, train.py's default unless told) to show the bound costs nothing.
 
 Each repeat runs every mode once (interleaved, to spread machine noise); a run
 iterates epochs 0, 1, ... until --min-tokens tokens have been consumed. Tokens are
@@ -59,7 +62,9 @@ import train  # noqa: E402
 from common import (TRAIN_FILTER, MultisetDigest, UserError, block_hashes, connect_table,  # noqa: E402
                     is_remote, load_tokenizer)
 
-MODES = ("lance-docs", "lance", "mosaic", "parquet-random", "parquet-seq")
+MODES = ("lance-docs", "lance", "mosaic", "parquet-random", "parquet-seq", "lance-docs-unbounded",
+         "lance-unbounded")
+UNBOUNDED = "-unbounded"  # a lance mode with this suffix reads ahead without a bound
 FORMAT = blocks_loaders.MODE_FORMAT  # the OUT subdirectory each blocks path reads
 SEED = 42
 MP_CONTEXT = "forkserver"  # lancedb is not fork-safe (DESIGN.md); the same as train.py's default
@@ -78,7 +83,12 @@ FORKSERVER_PRELOAD = ["torch", "blocks_loaders", "train", "streaming"]
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
 
-# ── The five paths ───────────────────────────────────────────────────────────────────
+def base_mode(mode: str) -> str:
+    """The path a mode reads: lance-docs-unbounded reads lance-docs' path, unbounded."""
+    return mode.removesuffix(UNBOUNDED)
+
+
+# ── The paths ───────────────────────────────────────────────────────────────────
 
 class LanceEpochs:
     """train.py's in-process loader: a fresh StreamingDataset per epoch (the epoch reseeds
@@ -123,19 +133,21 @@ class Bench:
             found = re.search(r"score >= ([-+0-9.eE]+)", source.get("filter", ""))
             opts.min_score = float(found.group(1)) if found else 1.0
         self.tok = load_tokenizer(self.manifest["tokenizer"])
-        self.corpus = connect_table(self.db, self.table_name) if "lance-docs" in opts.modes else None
+        bases = {base_mode(m) for m in opts.modes}
+        self.corpus = connect_table(self.db, self.table_name) if "lance-docs" in bases else None
         self.blocks_table = blocks_loaders.open_lance_blocks(blocks_path(opts.blocks, "lance"))[0] \
-            if "lance" in opts.modes else None
+            if "lance" in bases else None
 
     def train_args(self, read_batch_size: int, io_queue_depth: int, transform_parallelism: int,
-                   shuffle_seed: int = SEED):
+                   shuffle_seed: int = SEED, buffer_mb: float | None = None):
         """train.py's own namespace for these loader settings, validated by train.check_args."""
+        buffer_mb = self.opts.loader_buffer_mb if buffer_mb is None else buffer_mb
         args = train.parse_args([
             "--db", self.db, "--table", self.table_name, "--tokenizer", self.manifest["tokenizer"],
             "--seq-len", str(self.seq_len), "--batch-size", str(self.opts.batch_size), "--pack",
             "--min-score", repr(self.opts.min_score), "--shuffle-seed", str(shuffle_seed),
             "--read-batch-size", str(read_batch_size), "--io-queue-depth", str(io_queue_depth),
-            "--transform-parallelism", str(transform_parallelism)])
+            "--transform-parallelism", str(transform_parallelism), "--loader-buffer-mb", str(buffer_mb)])
         train.check_args(args, 1)
         return args
 
@@ -145,15 +157,17 @@ class Bench:
         lance_settings = lance_settings or (self.opts.read_batch_size, self.opts.io_queue_depth,
                                             self.opts.transform_parallelism)
         num_splits = num_splits or self.opts.batch_size
+        buffer_mb = 0 if mode.endswith(UNBOUNDED) else None
+        mode = base_mode(mode)
         if mode == "lance-docs":
-            args = self.train_args(*lance_settings, shuffle_seed=shuffle_seed)
+            args = self.train_args(*lance_settings, shuffle_seed=shuffle_seed, buffer_mb=buffer_mb)
             plan = train.plan_epoch(args, self.corpus, num_splits, args.batch_size)
             source = train.corpus_source(args, self.tok, TRAIN_FILTER, packed=True,
                                          blocks_per_epoch=plan.blocks_per_epoch)
             return LanceEpochs(lambda e: train.make_dataset(
                 args, self.corpus, 0, 1, epoch=e, shuffle=True, num_splits=num_splits, **source), args)
         if mode == "lance":
-            args = self.train_args(*lance_settings, shuffle_seed=shuffle_seed)
+            args = self.train_args(*lance_settings, shuffle_seed=shuffle_seed, buffer_mb=buffer_mb)
             transform = functools.partial(blocks_loaders.blocks_to_samples, seq_len=self.seq_len)
             return LanceEpochs(lambda e: train.make_dataset(
                 args, self.blocks_table, 0, 1, epoch=e, shuffle=True, num_splits=num_splits,
@@ -256,9 +270,9 @@ def check(bench: Bench, mode: str, reference: Counter | None = None) -> tuple[di
     """
     m = bench.manifest
     expected = {"expected_blocks": m["num_blocks"], "expected_multiset_hash": m["multiset_hash"]}
-    if mode == "lance-docs" and bench.opts.no_docs_check:
+    if base_mode(mode) == "lance-docs" and bench.opts.no_docs_check:
         return {"ok": None, **expected, "note": "--no-docs-check"}, Counter()
-    if mode == "lance-docs":
+    if base_mode(mode) == "lance-docs":
         src = m["source"]
         same_source = (same_location(bench.db, src["db"])
                        and bench.table_name == src["table"] and bench.corpus.version == src["table_version"]
@@ -267,7 +281,8 @@ def check(bench: Bench, mode: str, reference: Counter | None = None) -> tuple[di
             return {"ok": None, **expected, "note": "corpus, table version or filter differ from the "
                     "blocks' source: nothing to compare"}, Counter()
     start = time.perf_counter()
-    loader = bench.loader(mode, num_splits=1, shuffle_seed=m["seed"] if mode == "lance-docs" else SEED)
+    loader = bench.loader(mode, num_splits=1,
+                          shuffle_seed=m["seed"] if base_mode(mode) == "lance-docs" else SEED)
     digest, names = MultisetDigest(), Counter()
     for batch in loader.epoch(0):
         hashes = block_hashes(batch["input_ids"].numpy())
@@ -336,7 +351,8 @@ def settings_of(bench: Bench, opts) -> dict:
              "io_queue_depth": opts.io_queue_depth, "io_threads": b * opts.io_queue_depth,
              "transform_parallelism": opts.transform_parallelism,
              "transform_threads": opts.transform_parallelism, "processes": 1,
-             "loader": "train.make_loader: DataLoader(num_workers=0)", "shuffle_seed": SEED}
+             "loader": "train.make_loader: DataLoader(num_workers=0)", "shuffle_seed": SEED,
+             "loader_buffer_mb": opts.loader_buffer_mb}
     workers = {"processes": 1 + opts.workers, "num_workers": opts.workers, "mp_context": MP_CONTEXT,
                "forkserver_preload": FORKSERVER_PRELOAD, "persistent_workers": False,
                "prefetch_factor": 4, "seed": SEED}
@@ -351,6 +367,8 @@ def settings_of(bench: Bench, opts) -> dict:
         "page_cache": "warm: the check epochs read every format before the timed runs",
         "modes": {"lance-docs": {**lance, "pack_sequences": bench.seq_len},
                   "lance": lance,
+                  "lance-docs-unbounded": {**lance, "pack_sequences": bench.seq_len, "loader_buffer_mb": 0},
+                  "lance-unbounded": {**lance, "loader_buffer_mb": 0},
                   "mosaic": {**workers, "num_canonical_nodes": MOSAIC_CANONICAL_NODES},
                   "parquet-random": workers, "parquet-seq": workers},
         "timed_modes": list(opts.modes),
@@ -359,8 +377,9 @@ def settings_of(bench: Bench, opts) -> dict:
 
 def mode_settings(mode: str, opts) -> str:
     if mode.startswith("lance"):
+        bound = "unbounded" if mode.endswith(UNBOUNDED) else f"{opts.loader_buffer_mb:g} MiB"
         return (f"in-process: {opts.transform_parallelism} transform + {opts.batch_size * opts.io_queue_depth} "
-                f"I/O threads (rbs {opts.read_batch_size}, iqd {opts.io_queue_depth})")
+                f"I/O threads (rbs {opts.read_batch_size}, iqd {opts.io_queue_depth}, read-ahead {bound})")
     return f"{opts.workers} worker process(es), {MP_CONTEXT}"
 
 
@@ -379,6 +398,10 @@ def print_table(results: list[dict], opts) -> None:
         print(f"lance / mosaic: {by_mode['lance'] / by_mode['mosaic']:.2f}x")
     if "lance-docs" in by_mode:
         print(f"lance-docs (the corpus packed in the loader, train.py --pack): {by_mode['lance-docs']:,.0f} tokens/s")
+    for mode in ("lance-docs", "lance"):
+        if mode in by_mode and mode + UNBOUNDED in by_mode:
+            print(f"{mode} bounded at {opts.loader_buffer_mb:g} MiB / unbounded: "
+                  f"{by_mode[mode] / by_mode[mode + UNBOUNDED]:.2f}x")
 
 
 def run_sweep(bench: Bench, opts, save) -> list[dict]:
@@ -419,7 +442,10 @@ def draw(results: list[dict], machine: dict, opts, path: str) -> None:
     err = [[(r["tokens_per_s"] - r["min"]) / 1e6 for r in results],
            [(r["max"] - r["tokens_per_s"]) / 1e6 for r in results]]
     fig, ax = plt.subplots(figsize=(9, 5))
-    ax.bar(modes, med, yerr=err, capsize=6, color=["#4c72b0", "#4c72b0", "#dd8452", "#55a868", "#55a868"][:len(modes)])
+    colors = {"lance": "#4c72b0", "mosaic": "#dd8452", "parquet": "#55a868"}
+    ax.bar(modes, med, yerr=err, capsize=6, hatch=[".." if m.endswith(UNBOUNDED) else "" for m in modes],
+           color=[colors[m.split("-")[0]] for m in modes])
+    ax.tick_params(axis="x", labelsize=8, labelrotation=15)
     for x, r in enumerate(results):  # above the error bar, not on it
         ax.annotate(f"{r['tokens_per_s'] / 1e6:,.2f}", (x, r["max"] / 1e6), ha="center", va="bottom",
                     xytext=(0, 4), textcoords="offset points")
@@ -447,7 +473,7 @@ def write_json(path: str, data: dict) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--blocks", required=True, help="the OUT directory (or s3:// URI) build_packed_datasets.py wrote")
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated paths to time (default: all five)")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated paths to time (default: all)")
     p.add_argument("--db", default="", help="the corpus db (default: the manifest's source)")
     p.add_argument("--table", default="", help="the corpus table (default: the manifest's source)")
     p.add_argument("--out", required=True, help="results JSON")
@@ -462,6 +488,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--read-batch-size", type=int, default=TRAIN_DEFAULTS.read_batch_size)
     p.add_argument("--io-queue-depth", type=int, default=TRAIN_DEFAULTS.io_queue_depth)
     p.add_argument("--transform-parallelism", type=int, default=TRAIN_DEFAULTS.transform_parallelism)
+    p.add_argument("--loader-buffer-mb", type=float, default=TRAIN_DEFAULTS.loader_buffer_mb,
+                   help="read-ahead bound of the lance modes (the -unbounded ones have none)")
     p.add_argument("--no-docs-check", action="store_true",
                    help="skip lance-docs' check epoch (a whole pass of in-loader packing: "
                         "minutes on a big corpus)")

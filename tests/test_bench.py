@@ -11,7 +11,8 @@ import build_packed_datasets
 import prepare_data
 from conftest import assert_user_error, run_script
 
-MODES = {"lance-docs", "lance", "mosaic", "parquet-random", "parquet-seq"}
+MODES = {"lance-docs", "lance", "mosaic", "parquet-random", "parquet-seq", "lance-docs-unbounded",
+         "lance-unbounded"}
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,7 @@ def blocks(tmp_path_factory):
     return root, db
 
 
-def test_loaders_quick_measures_and_checks_all_five_paths(blocks, tmp_path):
+def test_loaders_quick_measures_and_checks_every_path(blocks, tmp_path):
     root, db = blocks
     out = tmp_path / "x.json"
     proc = run_script("bench/loaders.py", "--blocks", root / "blocks", "--db", db, "--table", "corpus",
@@ -43,6 +44,7 @@ def test_loaders_quick_measures_and_checks_all_five_paths(blocks, tmp_path):
         assert f"check {r['mode']}: ok" in proc.stdout
     assert (tmp_path / "x.png").stat().st_size > 0
     assert "lance / mosaic:" in proc.stdout
+    assert "lance-docs bounded at 256 MiB / unbounded:" in proc.stdout
 
 
 def test_loaders_without_blocks_is_a_one_line_error(tmp_path):
