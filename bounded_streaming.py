@@ -76,8 +76,8 @@ RELIED_ON = {
 PERM_MEMORY_ENV = "LANCEDB_PERM_BUILDER_MEMORY_LIMIT"
 PERM_BYTES_PER_ROW = 64  # the sort holds 16 bytes a row in one batch, and more while it merges
 _sized_perm_memory = PERM_MEMORY_ENV not in os.environ  # never override the user's setting
-WAKE_S = 0.002
-READ_ROWS = 1 << 20  # batch size for reading the permutation table back  # how often reads that wait for the budget look at the consumer again
+WAKE_S = 0.002  # how often reads that wait for the budget look at the consumer again
+READ_ROWS = 1 << 20  # batch size for reading the permutation table back
 
 
 def _source_hash(qualname: str) -> str:
@@ -110,7 +110,7 @@ class _Read:
 
     def __init__(self, position: int, start: int, rows: int, estimate: int):
         self.position, self.start, self.end, self.nbytes = position, start, start + rows, estimate
-        self.admitted: threading.Event | None = None  # set while the read waits
+        self.admitted: threading.Event | None = None  # made when the read has to wait
 
 
 class ReadBudget:
