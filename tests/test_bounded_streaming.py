@@ -162,30 +162,33 @@ def test_a_budget_below_one_read_batch_finishes_the_epoch(tmp_path, path):
 
 
 def first_batch_seconds(table, splits, path):
-    """Seconds from make_dataset to the first batch (the faster of two tries)."""
+    """Seconds from make_dataset to the first batch."""
     args = train.parse_args(["--seq-len", str(SEQ_LEN), "--batch-size", str(splits),
                              *(["--pack"] if path == "pack" else [])])
     source = train.corpus_source(args, load_tokenizer("byte"), TRAIN_FILTER, path == "pack",
                                  blocks_per_epoch=splits * 4)
-    best = float("inf")
-    for _ in range(2):
-        start = time.perf_counter()
-        ds = train.make_dataset(args, table, 0, 1, epoch=0, shuffle=True, num_splits=splits, **source)
-        batches = iter(train.make_loader(ds, args, torch.device("cpu"), splits))
-        next(batches)
-        best = min(best, time.perf_counter() - start)
-        stop(batches)
-    return best
+    start = time.perf_counter()
+    ds = train.make_dataset(args, table, 0, 1, epoch=0, shuffle=True, num_splits=splits, **source)
+    batches = iter(train.make_loader(ds, args, torch.device("cpu"), splits))
+    next(batches)
+    seconds = time.perf_counter() - start
+    stop(batches)
+    return seconds
 
 
 @pytest.mark.parametrize("path", ["rows", "pack"])
 def test_time_to_the_first_batch_does_not_grow_with_splits(tmp_path, path):
     """lancedb 0.40 alone costs a full permutation scan and two copies of the permutation
     table per split (~4x from 8 to 32 splits on this table); here it is one read, and what
-    is left per split is its first read batch."""
+    is left per split is its first read batch. The best of three tries each, interleaved,
+    so that other load on the machine weighs on both."""
     table = synthetic_corpus(str(tmp_path / "db"), 2_000_000, 10, 60, seed=4)
-    eight, thirty_two = first_batch_seconds(table, 8, path), first_batch_seconds(table, 32, path)
-    assert thirty_two < 1.5 * eight, (eight, thirty_two)
+    tries = {8: [], 32: []}
+    for _ in range(3):
+        for splits, seconds in tries.items():
+            seconds.append(first_batch_seconds(table, splits, path))
+    eight, thirty_two = min(tries[8]), min(tries[32])
+    assert thirty_two < 1.5 * eight, tries
 
 
 def test_an_unknown_lancedb_pipeline_is_recognised():
