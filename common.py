@@ -29,8 +29,12 @@ CORPUS_SCHEMA = pa.schema(
         pa.field("score", pa.float32()),
         pa.field("is_dup", pa.bool_()),
         pa.field("split", pa.string()),
+        pa.field("digest", pa.binary(16)),
     ]
 )
+# A corpus table made before prepare_data stored the digest: training reads it the same,
+# and the first append to it adds the column.
+LEGACY_SCHEMA = pa.schema([f for f in CORPUS_SCHEMA if f.name != "digest"])
 
 # What training reads, and the arrow types it accepts for each column.
 _TRAIN_COLUMNS: dict[str, tuple[str, Callable[[pa.DataType], bool]]] = {
@@ -176,7 +180,9 @@ def synthetic_corpus(db: str, rows: int, min_tokens: int, max_tokens: int, *, se
                 pa.array(np.arange(first, first + n)), pa.nulls(n, pa.string()).fill_null(""),
                 pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids)), pa.array(lengths),
                 pa.array(np.full(n, 2.0, dtype=np.float32)), pa.array(np.zeros(n, dtype=bool)),
-                pa.array(np.full(n, "train"))], schema=schema)
+                pa.array(np.full(n, "train")), pa.FixedSizeBinaryArray.from_buffers(
+                    pa.binary(16), n, [None, pa.py_buffer(rng.bytes(16 * n))]),
+            ], schema=schema)
 
     return lancedb.connect(db).create_table(table, pa.RecordBatchReader.from_batches(schema, batches()),
                                             mode="overwrite")
@@ -226,6 +232,26 @@ def _byte_tokenizer() -> Tokenizer:
                      encode=encode, decode=decode)
 
 
+class FastEncoder:
+    """A Hugging Face fast tokenizer's encode, as `tok(texts, add_special_tokens=False,
+    split_special_tokens=True)` runs it (no truncation or padding; a literal "<pad>" or
+    "</s>" in a document is text, so EOS and PAD can only come from the packer).
+
+    It holds only the Rust `tokenizers.Tokenizer`, so it pickles without transformers:
+    prepare_data's worker processes get it in milliseconds instead of spending seconds
+    importing transformers and loading the tokenizer again.
+    """
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def __call__(self, texts: list[str]) -> list[list[int]]:
+        self.backend.no_truncation()
+        self.backend.no_padding()
+        self.backend.encode_special_tokens = True
+        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+
+
 def _hf_tokenizer(name: str) -> Tokenizer:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the network
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we fork/spawn workers
@@ -260,11 +286,14 @@ def _hf_tokenizer(name: str) -> Tokenizer:
         pad = n_real  # reserve a fresh id above every real token
     vocab_size = max(n_real, pad + 1, eos + 1)
 
-    def encode(texts: list[str]) -> list[list[int]]:
-        # split_special_tokens: a literal "<pad>" or "</s>" in a document is text,
-        # so EOS and PAD can only come from the packer.
-        return tok(texts, add_special_tokens=False, split_special_tokens=True,
-                   return_attention_mask=False)["input_ids"]
+    if tok.is_fast:
+        encode = FastEncoder(tok.backend_tokenizer)
+    else:
+        def encode(texts: list[str]) -> list[list[int]]:
+            # split_special_tokens: a literal "<pad>" or "</s>" in a document is text,
+            # so EOS and PAD can only come from the packer.
+            return tok(texts, add_special_tokens=False, split_special_tokens=True,
+                       return_attention_mask=False)["input_ids"]
 
     def decode(ids: list[int]) -> str:
         return tok.decode([i for i in ids if i < n_real and i not in special])

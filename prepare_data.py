@@ -3,7 +3,7 @@
 Usage:
     python prepare_data.py INPUT [INPUT ...] [--db DIR] [--table NAME] [--tokenizer SPEC]
         [--val-fraction 0.02] [--min-chars 50] [--mode create|append|overwrite]
-        [--text-field text] [--score-field NAME] [--batch-size 1000]
+        [--text-field text] [--score-field NAME] [--batch-size 1000] [--workers N]
     python prepare_data.py --demo [--db DIR] [--table NAME] [--tokenizer SPEC] [--mode ...]
     python prepare_data.py --restore VERSION [--db DIR] [--table NAME]
 
@@ -22,10 +22,19 @@ missing or not a number, --mode create on an existing table, a --db that is a fi
 --mode append onto a table made with another tokenizer, and --restore of a version the
 table does not have.
 
-Each document gets a sequential `id` (after the table's max id on append), `input_ids`
-(no EOS), a `score` (--score-field, else `quality_score`), `is_dup` (normalized text seen
-before, across appends too; the first copy is kept) and a `split` drawn from the hash of
-the normalized text, so re-runs agree.
+Each document gets a sequential `id` (after the last row's id on append), `input_ids`
+(no EOS), a `score` (--score-field, else `quality_score`), a `digest` of its normalized
+text (128-bit BLAKE2b), `is_dup` (that digest seen before, across appends too; the first
+copy is kept) and a `split` drawn from the digest, so re-runs agree.
+
+Parallel: the main process reads the inputs in chunks (--batch-size lines, at most
+CHUNK_BYTES) and hands them to --workers processes, which parse, tokenize, score and hash
+them; it takes their rows back in input order, adds `id` and `is_dup`, and writes. The
+table is the same whatever --workers, and at most 2 x --workers chunks are in flight.
+Dedup keeps 16 bytes per distinct document (digest_set.DigestSet), and --mode append
+reads only the table's `digest` column. An append to a table made before that column
+existed computes the digests of its rows once and writes them into the table, in the
+same commit (it rewrites the table once, so it costs as much as a fresh ingest).
 
 The whole run is one lance commit of a stream of record batches, so a run that fails or
 is killed (even SIGKILL) leaves the table at its previous version, rows and all; run it
@@ -62,20 +71,26 @@ import sysconfig
 import time
 import unicodedata
 from collections import Counter
-from typing import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, NamedTuple
 
+import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
 import storage
-from common import (CORPUS_SCHEMA, DEFAULT_DB, DEFAULT_TABLE, UserError, check_table_tokenizer,
-                    corpus_schema, is_remote, load_tokenizer, write_stream)
+from common import (CORPUS_SCHEMA, DEFAULT_DB, DEFAULT_TABLE, LEGACY_SCHEMA, FastEncoder,
+                    UserError, check_table_tokenizer, corpus_schema, is_remote, load_tokenizer, write_stream)
+from digest_set import DigestSet
+from ordered_pool import OrderedPool, WorkerDied, usable_cores
 
 DEFAULT_VAL_FRACTION = 0.02
 DEFAULT_MIN_CHARS = 50  # under ~8 words there is hardly a sentence to learn from
 DEFAULT_BATCH_SIZE = 1000
+CHUNK_BYTES = 8 << 20  # a chunk's raw input at most: bounds the memory in flight, whatever the lines
+DEMO_FILES_PER_CHUNK = 16  # stdlib sources (~16 KB each) per chunk of the demo corpus
+READ_ROWS = 65536  # rows per batch when reading an existing table
 MODES = ("create", "append", "overwrite")
 INPUT_TYPES = (".jsonl.gz", ".jsonl", ".parquet", ".txt")  # longest suffix first
 DEMO_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -144,9 +159,11 @@ def quality_score(text: str) -> float:
 
 
 # ----------------------------------------------------------------------------- inputs
+# The main process only reads raw bytes and cuts them into chunks; decoding, parsing
+# and everything per document happen in `chunk_rows`, in the worker processes.
 
 def input_type(path: str) -> str | None:
-    """The READERS key for `path`, by suffix; None for files we do not read."""
+    """The input type of `path`, by suffix; None for files we do not read."""
     return next((t for t in INPUT_TYPES if path.lower().endswith(t)), None)
 
 
@@ -179,47 +196,33 @@ def resolve_inputs(inputs: list[str], skipped: Counter) -> list[str]:
     return paths
 
 
-def score_of(value, score_field: str | None, where: str) -> float | None:
-    """None without --score-field (quality_score decides), else the field as a float."""
-    if not score_field:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise UserError(f"{where}: --score-field {score_field!r} is missing or not a number "
-                        f"({value!r})")
-    return float(value)
+class Chunk(NamedTuple):
+    """What one worker call turns into rows: a slice of one input, undecoded."""
+
+    kind: str  # a PARSERS key
+    path: str | None
+    first_line: int  # line number of the payload's first line (jsonl)
+    payload: Any  # jsonl: bytes of whole lines; txt: [(path, bytes)]; parquet: (texts, scores);
+    #               py: [paths of Python sources]
 
 
-def read_txt(path: str, text_field: str, score_field: str | None, skipped: Counter):
-    """A .txt file is one document."""
-    if score_field:
-        raise UserError(f"{path}: a .txt file has no fields, so --score-field cannot apply")
-    with open(path, encoding="utf-8") as f:
-        yield f.read(), None
+def jsonl_chunks(path: str, batch_size: int) -> Iterator[Chunk]:
+    """Whole lines, up to batch_size of them or CHUNK_BYTES, as one bytes object."""
+    with (gzip.open if path.lower().endswith(".gz") else open)(path, "rb") as f:
+        lines, size, first = [], 0, 1
+        for line in f:
+            lines.append(line)
+            size += len(line)
+            if len(lines) >= batch_size or size >= CHUNK_BYTES:
+                yield Chunk("jsonl", path, first, b"".join(lines))
+                first, lines, size = first + len(lines), [], 0
+        if lines:
+            yield Chunk("jsonl", path, first, b"".join(lines))
 
 
-def read_jsonl(path: str, text_field: str, score_field: str | None, skipped: Counter):
-    """One JSON object per line; lines without a (valid) string text field are counted."""
-    with (gzip.open if path.lower().endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                obj = None
-            if not isinstance(obj, dict):
-                skipped["bad_json"] += 1
-            elif not isinstance(obj.get(text_field), str):
-                skipped["no_text"] += 1
-            elif not obj[text_field].isascii() and _SURROGATE.search(obj[text_field]):
-                skipped["bad_text"] += 1  # a lone surrogate: no tokenizer can encode it
-            else:
-                where = f"{path}:{lineno}"
-                yield obj[text_field], score_of(obj.get(score_field), score_field, where)
-
-
-def read_parquet(path: str, text_field: str, score_field: str | None, skipped: Counter):
-    """A text column (and maybe a score column), one record batch at a time."""
+def parquet_chunks(path: str, batch_size: int, text_field: str,
+                   score_field: str | None) -> Iterator[Chunk]:
+    """The text column (and the score column), one record batch at a time."""
     pf = pq.ParquetFile(path)
     types = {f.name: f.type for f in pf.schema_arrow}
     wanted = {text_field: (pa.types.is_string, pa.types.is_large_string)}
@@ -230,44 +233,133 @@ def read_parquet(path: str, text_field: str, score_field: str | None, skipped: C
             listing = ", ".join(f"{name}: {t}" for name, t in types.items())
             raise UserError(f"{path}: no {'numeric' if col == score_field else 'string'} "
                             f"column {col!r} (columns: {listing})")
-    for batch in pf.iter_batches(batch_size=DEFAULT_BATCH_SIZE, columns=list(wanted)):
-        texts = batch.column(text_field).to_pylist()
-        scores = batch.column(score_field).to_pylist() if score_field else [None] * len(texts)
-        for text, score in zip(texts, scores):
-            if text is None:
-                skipped["no_text"] += 1
-            else:
-                yield text, score_of(score, score_field, path)
+    for batch in pf.iter_batches(batch_size=batch_size, columns=list(wanted)):
+        scores = batch.column(score_field) if score_field else None
+        yield Chunk("parquet", path, 0, (batch.column(text_field), scores))
 
 
-READERS = {".txt": read_txt, ".jsonl": read_jsonl, ".jsonl.gz": read_jsonl,
-           ".parquet": read_parquet}
-
-
-def read_documents(paths: list[str], text_field: str, score_field: str | None,
-                   skipped: Counter) -> Docs:
-    """Every document of every input, lazily, in input order."""
+def read_chunks(paths: list[str], text_field: str, score_field: str | None,
+                batch_size: int) -> Iterator[Chunk]:
+    """Every input, in order, as chunks. Consecutive .txt files (one document each) share
+    a chunk; a file that cannot be read raises after the chunks before it."""
+    txt, size = [], 0
     for path in paths:
+        kind = input_type(path)
         try:
-            yield from READERS[input_type(path)](path, text_field, score_field, skipped)
-        except (OSError, EOFError, UnicodeDecodeError, pa.ArrowException) as e:
+            if kind == ".txt":
+                if score_field:
+                    raise UserError(f"{path}: a .txt file has no fields, so --score-field "
+                                    f"cannot apply")
+                with open(path, "rb") as f:
+                    txt.append((path, f.read()))
+                size += len(txt[-1][1])
+                if len(txt) >= batch_size or size >= CHUNK_BYTES:
+                    yield Chunk("txt", None, 0, txt)
+                    txt, size = [], 0
+                continue
+            if txt:
+                yield Chunk("txt", None, 0, txt)
+                txt, size = [], 0
+            if kind == ".parquet":
+                yield from parquet_chunks(path, batch_size, text_field, score_field)
+            else:
+                yield from jsonl_chunks(path, batch_size)
+        except (OSError, EOFError, pa.ArrowException) as e:
+            if txt:  # the documents before the bad file still come first
+                yield Chunk("txt", None, 0, txt)
             raise UserError(f"cannot read {path}: {e}") from None
+    if txt:
+        yield Chunk("txt", None, 0, txt)
 
 
-def stdlib_docstrings() -> Iterator[str]:
-    """Module, class and function docstrings of the stdlib, in sorted file order."""
+def stdlib_sources() -> Iterator[str]:
+    """The stdlib's .py files in sorted order, without tests and site-packages."""
     for root, dirs, files in os.walk(sysconfig.get_paths()["stdlib"]):
         dirs[:] = sorted(d for d in dirs if d not in DEMO_SKIP_DIRS)
-        for name in (n for n in sorted(files) if n.endswith(".py")):
-            try:
-                with open(os.path.join(root, name), "rb") as f:
-                    tree = ast.parse(f.read())
-            except (SyntaxError, ValueError, OSError):
-                continue  # py2-era fixtures and the like: not worth a document
-            for node in ast.walk(tree):
-                doc = isinstance(node, DOCUMENTED_NODES) and ast.get_docstring(node, clean=False)
-                if doc:
-                    yield inspect.cleandoc(doc)
+        yield from (os.path.join(root, n) for n in sorted(files) if n.endswith(".py"))
+
+
+def demo_chunks() -> Iterator[Chunk]:
+    sources = iter(stdlib_sources())
+    while paths := list(itertools.islice(sources, DEMO_FILES_PER_CHUNK)):
+        yield Chunk("py", None, 0, paths)
+
+
+# ----------------------------------------------------------------------------- parsing
+# These run in the workers: each turns a chunk's payload into (text, score) documents
+# and counts what it skips, exactly as a serial read would.
+
+def score_of(value, score_field: str | None, where: str) -> float | None:
+    """None without --score-field (quality_score decides), else the field as a float."""
+    if not score_field:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UserError(f"{where}: --score-field {score_field!r} is missing or not a number "
+                        f"({value!r})")
+    return float(value)
+
+
+def parse_jsonl(chunk: Chunk, opts: "RowOptions", skipped: Counter) -> Docs:
+    """One JSON object per line; lines without a (valid) string text field are counted."""
+    text_field, score_field = opts.text_field, opts.score_field
+    for lineno, raw in enumerate(chunk.payload.split(b"\n"), chunk.first_line):
+        if not raw.strip():
+            continue
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"cannot read {chunk.path}: line {lineno}: {e}") from None
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            obj = None
+        if not isinstance(obj, dict):
+            skipped["bad_json"] += 1
+        elif not isinstance(obj.get(text_field), str):
+            skipped["no_text"] += 1
+        elif not obj[text_field].isascii() and _SURROGATE.search(obj[text_field]):
+            skipped["bad_text"] += 1  # a lone surrogate: no tokenizer can encode it
+        else:
+            yield obj[text_field], score_of(obj.get(score_field), score_field,
+                                            f"{chunk.path}:{lineno}")
+
+
+def parse_txt(chunk: Chunk, opts: "RowOptions", skipped: Counter) -> Docs:
+    """A .txt file is one document, its newlines read as text mode reads them."""
+    for path, data in chunk.payload:
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"cannot read {path}: {e}") from None
+        yield text.replace("\r\n", "\n").replace("\r", "\n"), None
+
+
+def parse_parquet(chunk: Chunk, opts: "RowOptions", skipped: Counter) -> Docs:
+    texts, scores = chunk.payload
+    texts = texts.to_pylist()
+    scores = scores.to_pylist() if scores is not None else [None] * len(texts)
+    for text, score in zip(texts, scores):
+        if text is None:
+            skipped["no_text"] += 1
+        else:
+            yield text, score_of(score, opts.score_field, chunk.path)
+
+
+def parse_python(chunk: Chunk, opts: "RowOptions", skipped: Counter) -> Docs:
+    """Module, class and function docstrings of Python sources (the --demo corpus)."""
+    for path in chunk.payload:
+        try:
+            with open(path, "rb") as f:
+                tree = ast.parse(f.read())
+        except (SyntaxError, ValueError, OSError):
+            continue  # py2-era fixtures and the like: not worth a document
+        for node in ast.walk(tree):
+            doc = isinstance(node, DOCUMENTED_NODES) and ast.get_docstring(node, clean=False)
+            if doc:
+                yield inspect.cleandoc(doc), None
+
+
+PARSERS = {"jsonl": parse_jsonl, "txt": parse_txt, "parquet": parse_parquet, "py": parse_python}
 
 
 # ----------------------------------------------------------------------------- rows
@@ -283,45 +375,83 @@ def split_of(digest: bytes, val_fraction: float) -> str:
     return "val" if int.from_bytes(digest[:8], "big") / 2**64 < val_fraction else "train"
 
 
-def long_enough(docs: Docs, min_chars: int, skipped: Counter) -> Docs:
-    """Drop (and count) documents too short to teach anything."""
-    for text, score in docs:
-        if len(text.strip()) >= min_chars:
-            yield text, score
+@dataclass(frozen=True)
+class RowOptions:
+    """What a worker needs to turn chunks into rows."""
+
+    tokenizer: str
+    text_field: str = "text"
+    score_field: str | None = None
+    min_chars: int = DEFAULT_MIN_CHARS
+    val_fraction: float = DEFAULT_VAL_FRACTION
+
+
+@dataclass
+class ChunkRows:
+    """A chunk's rows, every column but `id` and `is_dup` (those need the order of the
+    whole corpus, so the main process adds them), and what the chunk skipped."""
+
+    rows: pa.RecordBatch | None  # ROW_SCHEMA; None when nothing in the chunk was kept
+    skipped: Counter
+    tokens: int = 0
+    val: int = 0
+
+
+ROW_SCHEMA = pa.schema([f for f in CORPUS_SCHEMA if f.name not in ("id", "is_dup")])
+_worker: dict = {}  # this process's RowOptions and tokenizer, set by start_worker
+
+
+def start_worker(opts: RowOptions, encode: FastEncoder | None = None) -> None:
+    """The pool's initializer: the main process's `encode` where it pickles cheaply (a fast
+    Hugging Face tokenizer), else the tokenizer loaded here, once per process."""
+    _worker.update(opts=opts, encode=encode or load_tokenizer(opts.tokenizer).encode)
+
+
+def token_ids(spec: str, encode, texts: list[str]) -> pa.ListArray:
+    """list<int32> token ids; the byte tokenizer's straight from the UTF-8 bytes."""
+    if spec != "byte":
+        return pa.array(encode(texts), pa.list_(pa.int32()))
+    encoded = [t.encode("utf-8") for t in texts]
+    offsets = np.zeros(len(encoded) + 1, dtype=np.int32)
+    np.cumsum([len(b) for b in encoded], out=offsets[1:])
+    ids = np.frombuffer(b"".join(encoded), dtype=np.uint8).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids))
+
+
+def chunk_rows(chunk: Chunk) -> ChunkRows:
+    """Parse, filter, tokenize, score, hash and split one chunk (runs in a worker)."""
+    opts, encode = _worker["opts"], _worker["encode"]
+    skipped = Counter()
+    docs = []
+    for text, score in PARSERS[chunk.kind](chunk, opts, skipped):
+        if len(text.strip()) >= opts.min_chars:
+            docs.append((text, score))
         else:
             skipped["short"] += 1
+    if not docs:
+        return ChunkRows(None, skipped)
+    texts = [text for text, _ in docs]
+    ids = token_ids(opts.tokenizer, encode, texts)
+    n_tokens = np.diff(np.asarray(ids.offsets)).astype(np.int32)
+    digests = [content_digest(t) for t in texts]
+    splits = [split_of(d, opts.val_fraction) for d in digests]
+    rows = pa.record_batch([
+        pa.array(texts, pa.string()),
+        ids,
+        pa.array(n_tokens),
+        pa.array([quality_score(t) if s is None else s for t, s in docs], pa.float32()),
+        pa.array(splits, pa.string()),
+        pa.array(digests, pa.binary(16)),
+    ], schema=ROW_SCHEMA)
+    return ChunkRows(rows, skipped, tokens=int(n_tokens.sum()), val=splits.count("val"))
 
 
-def corpus_batches(docs: Docs, tok, seen: set[bytes], first_id: int, val_fraction: float,
-                   batch_size: int, stats: Counter) -> Iterator[pa.RecordBatch]:
-    """Tokenize, dedup, score and split documents, batch_size at a time.
-
-    Memory is one batch of documents plus `seen`: O(number of distinct documents)
-    16-byte digests (~100 bytes each with CPython's set overhead).
-    """
-    docs = iter(docs)
-    while chunk := list(itertools.islice(docs, batch_size)):
-        texts = [text for text, _ in chunk]
-        token_ids = tok.encode(texts)
-        digests = [content_digest(t) for t in texts]
-        is_dup = []
-        for d in digests:
-            is_dup.append(d in seen)
-            seen.add(d)
-        splits = [split_of(d, val_fraction) for d in digests]
-        n_tokens = [len(ids) for ids in token_ids]
-        next_id = first_id + stats["docs"]
-        stats.update(docs=len(chunk), tokens=sum(n_tokens), dups=sum(is_dup),
-                     val=splits.count("val"), batches=1)
-        yield pa.record_batch([
-            pa.array(range(next_id, next_id + len(chunk)), pa.int64()),
-            pa.array(texts, pa.string()),
-            pa.array(token_ids, pa.list_(pa.int32())),
-            pa.array(n_tokens, pa.int32()),
-            pa.array([quality_score(t) if s is None else s for t, s in chunk], pa.float32()),
-            pa.array(is_dup, pa.bool_()),
-            pa.array(splits, pa.string()),
-        ], schema=CORPUS_SCHEMA)
+def digest_matrix(digests: pa.Array) -> np.ndarray:
+    """A fixed_size_binary(16) column as an (n, 16) uint8 array, without copying."""
+    if digests.null_count:
+        raise UserError("the table's digest column has nulls; rebuild it with --mode overwrite")
+    data = np.frombuffer(digests.buffers()[1], dtype=np.uint8)
+    return data[digests.offset * 16:(digests.offset + len(digests)) * 16].reshape(-1, 16)
 
 
 # ----------------------------------------------------------------------------- table
@@ -339,17 +469,39 @@ def open_existing(db: str, table: str):
         return None
 
 
-def existing_contents(tbl, batch_size: int) -> tuple[set[bytes], int]:
-    """Digests of the table's texts and its next free id, read batch by batch."""
-    if not tbl.schema.remove_metadata().equals(CORPUS_SCHEMA):
+def existing_contents(tbl) -> tuple[DigestSet, int, bool]:
+    """The table's digests (reading only its 16-byte `digest` column), its next free id
+    (after its last row's: prepare_data gives ids in row order) and whether it predates the
+    digest column (then the caller computes the digests from `text`, once)."""
+    schema = tbl.schema.remove_metadata()
+    legacy = schema.equals(LEGACY_SCHEMA)
+    if not (legacy or schema.equals(CORPUS_SCHEMA)):
         raise UserError(f"cannot append: the columns of the table ({', '.join(tbl.schema.names)}) "
                         f"are not the corpus schema; use --mode overwrite or another --table")
-    seen, max_id = set(), -1
-    for batch in tbl.search().select(["id", "text"]).to_batches(batch_size):
-        seen.update(content_digest(t) for t in batch.column("text").to_pylist())
-        if batch.num_rows:
-            max_id = max(max_id, pc.max(batch.column("id")).as_py())
-    return seen, max_id + 1
+    seen, rows = DigestSet(), tbl.count_rows()
+    if rows == 0:
+        return seen, 0, legacy
+    last_id = tbl.take_offsets([rows - 1]).select(["id"]).to_arrow().column("id")[0].as_py()
+    if not legacy:
+        with tqdm(total=rows, desc="reading digests", unit="doc", file=sys.stderr, delay=0.5,
+                  mininterval=0.5, leave=False, disable=None) as bar:
+            for batch in tbl.search().select(["digest"]).to_batches(READ_ROWS):
+                seen.add(digest_matrix(batch.column("digest")))
+                bar.update(batch.num_rows)
+    return seen, last_id + 1, legacy
+
+
+def legacy_rows(tbl, seen: DigestSet, schema: pa.Schema) -> Iterator[pa.RecordBatch]:
+    """The rows of a table made before the digest column, with their digests: an append
+    to it writes them back with the new rows, in the same commit."""
+    with tqdm(total=tbl.count_rows(), desc="digests of the existing rows", unit="doc",
+              file=sys.stderr, delay=0.5, mininterval=0.5, leave=False, disable=None) as bar:
+        for batch in tbl.search().select(LEGACY_SCHEMA.names).to_batches(READ_ROWS):
+            digests = pa.array([content_digest(t) for t in batch.column("text").to_pylist()],
+                               pa.binary(16))
+            seen.add(digest_matrix(digests))
+            bar.update(batch.num_rows)
+            yield pa.record_batch(batch.columns + [digests], schema=schema)
 
 
 def check_destination(db: str, table: str) -> None:
@@ -395,12 +547,14 @@ def remove_uncommitted(path: str | None) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def commit(db: str, table: str, existing, mode: str, tok,
-           batches: Iterator[pa.RecordBatch]) -> None:
+def commit(db: str, table: str, existing, mode: str, schema: pa.Schema,
+           batches: Iterator[pa.RecordBatch], rewrite: bool = False) -> None:
     """Write every batch in one commit, so a failure leaves the table as it was.
 
-    A created or replaced table records `tok` on its `input_ids` field; an append keeps
-    the table's own (lance keeps a table's field metadata on add). A failed write removes the
+    A created or replaced table records the tokenizer on its `input_ids` field (`schema`
+    carries it); an append keeps the table's own (lance keeps a table's field metadata on
+    add). `rewrite` replaces an existing table with `batches` (its own rows come first):
+    the append to a table that predates the digest column. A failed write removes the
     directories it had created, so no empty db or table directory is left behind. A table
     directory with no committed version (what a killed create leaves) is cleared first.
     """
@@ -408,13 +562,12 @@ def commit(db: str, table: str, existing, mode: str, tok,
         remove_uncommitted(os.path.join(db, f"{table}.lance"))
     created = created_by_write(db, table)
     try:
-        if existing is not None and mode == "append":
-            write_stream(existing.add, CORPUS_SCHEMA, batches)
+        if existing is not None and mode == "append" and not rewrite:
+            write_stream(existing.add, schema, batches)
         else:  # a missing table on --mode append is simply created
-            schema = corpus_schema(tok)
             write_stream(lambda reader: storage.connect(db).create_table(
                 table, data=reader, schema=schema,
-                mode="overwrite" if mode == "overwrite" else "create"), schema, batches)
+                mode="create" if mode == "create" else "overwrite"), schema, batches)
     except OSError as e:  # input errors arrive as UserError: this is the db itself
         remove_uncommitted(created)
         raise UserError(storage.describe(e, db) or f"cannot write table {table!r} in {db!r}: {e}") from None
@@ -423,51 +576,132 @@ def commit(db: str, table: str, existing, mode: str, tok,
         raise
 
 
-def write_corpus(docs: Docs, db: str, table: str, tokenizer_spec: str, *, val_fraction: float,
-                 min_chars: int, mode: str, batch_size: int, skipped: Counter) -> dict:
-    """Check options, stream `docs` into the table in one commit, print the summary."""
+def corpus_batches(results: Iterable[ChunkRows], seen: DigestSet, first_id: int, stats: Counter,
+                   skipped: Counter, bar: tqdm, main_seconds: Counter) -> Iterator[pa.RecordBatch]:
+    """The workers' rows in order, with the two columns that need that order: `id`, and
+    `is_dup` from the digests seen so far. This is all the per-document work left to the
+    main process; `main_seconds` gets its time and the time lance spends writing."""
+    start = time.perf_counter()
+    for result in results:
+        skipped.update(result.skipped)
+        if result.rows is None:
+            continue
+        began = time.perf_counter()
+        rows, n = result.rows, result.rows.num_rows
+        is_dup = seen.add(digest_matrix(rows.column("digest")))
+        next_id = first_id + stats["docs"]
+        batch = pa.record_batch([
+            pa.array(np.arange(next_id, next_id + n, dtype=np.int64)), rows.column("text"),
+            rows.column("input_ids"), rows.column("n_tokens"), rows.column("score"),
+            pa.array(is_dup), rows.column("split"), rows.column("digest"),
+        ], schema=CORPUS_SCHEMA)
+        stats.update(docs=n, tokens=result.tokens, dups=int(is_dup.sum()), val=result.val,
+                     batches=1)
+        bar.update(n)
+        bar.set_postfix_str(f"{stats['tokens'] / (time.perf_counter() - start):,.0f} tok/s",
+                            refresh=False)
+        handed = time.perf_counter()
+        main_seconds["dedup"] += handed - began
+        yield batch
+        main_seconds["write"] += time.perf_counter() - handed
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process, all its threads (lance writes from threads of its own)."""
+    times = os.times()
+    return times.user + times.system
+
+
+def no_documents(min_chars: int, skipped: Counter) -> UserError:
+    hint = "; is --text-field right?" if skipped["no_text"] else ""
+    return UserError(f"the inputs hold no document of at least {min_chars} characters "
+                     f"(skipped: {format_skipped(skipped)}){hint}")
+
+
+def write_corpus(chunks: Iterable[Chunk], db: str, table: str, opts: RowOptions, *, mode: str,
+                 workers: int | None = None, skipped: Counter) -> dict:
+    """Check options, turn `chunks` into rows in `workers` processes, write them in one
+    commit and print the summary."""
+    workers = usable_cores() if workers is None else workers
     if mode not in MODES:
         raise UserError(f"--mode must be one of {', '.join(MODES)}, not {mode!r}")
-    if not 0.0 <= val_fraction < 1.0 or min_chars < 0 or batch_size < 1:
-        raise UserError("need 0 <= --val-fraction < 1, --min-chars >= 0 and --batch-size >= 1")
+    if not 0.0 <= opts.val_fraction < 1.0 or opts.min_chars < 0:
+        raise UserError("need 0 <= --val-fraction < 1 and --min-chars >= 0")
+    if workers < 1:
+        raise UserError(f"--workers must be at least 1, not {workers}")
     start = time.perf_counter()
     check_destination(db, table)
-    tok = load_tokenizer(tokenizer_spec)
+    tok = load_tokenizer(opts.tokenizer)
     existing = open_existing(db, table)
     if existing is not None and mode == "create":
         raise UserError(f"table {table!r} already exists in {db!r}; "
                         f"use --mode append to add to it or --mode overwrite to replace it")
-    appending = existing is not None and mode == "append"
     replaced = None  # (version, rows) an overwrite replaces: printed with how to restore it
     if existing is not None and mode == "overwrite":
         replaced = existing.version, existing.count_rows()
-    if appending:
+    seen, first_id, legacy, schema = DigestSet(), 0, False, corpus_schema(tok)
+    if existing is not None and mode == "append":
         check_table_tokenizer(existing, tok, f"the table {table!r} in {db!r}")
-    seen, first_id = existing_contents(existing, batch_size) if appending else (set(), 0)
-    stats = Counter()
-    with tqdm(long_enough(docs, min_chars, skipped), desc=table, unit="doc", file=sys.stderr,
-              delay=0.5, mininterval=0.5) as kept:
+        seen, first_id, legacy = existing_contents(existing)
+        schema = existing.schema.append(CORPUS_SCHEMA.field("digest")) if legacy else CORPUS_SCHEMA
+        if legacy:
+            print(f"{db}/{table} has no digest column (it predates it): computing the digests of "
+                  f"its {existing.count_rows()} rows once; this append writes them into the "
+                  f"table, in the same commit", flush=True)
+    stats, main_seconds, write_start = Counter(), Counter(), (time.perf_counter(), cpu_seconds())
+    encode = tok.encode if isinstance(tok.encode, FastEncoder) else None
+    with OrderedPool(chunk_rows, workers, start_worker, (opts, encode)) as pool, \
+            tqdm(desc=table, unit="doc", file=sys.stderr, delay=0.5, mininterval=0.5,
+                 disable=None) as bar:
         try:
-            batches = corpus_batches(kept, tok, seen, first_id, val_fraction, batch_size, stats)
-            first = next(batches, None)
-            if first is None:
-                hint = "; is --text-field right?" if skipped["no_text"] else ""
-                raise UserError(f"the inputs hold no document of at least {min_chars} characters "
-                                f"(skipped: {format_skipped(skipped)}){hint}")
-            commit(db, table, existing, mode, tok, itertools.chain([first], batches))
+            batches = corpus_batches(pool.map(chunks), seen, first_id, stats, skipped, bar,
+                                     main_seconds)
+            if legacy:  # the table's own rows go first, so their digests are seen first
+                stream = itertools.chain(legacy_rows(existing, seen, schema),
+                                         some_rows(batches, opts.min_chars, skipped))
+            else:
+                first = next(batches, None)
+                if first is None:
+                    raise no_documents(opts.min_chars, skipped)
+                stream = itertools.chain([first], batches)
+            commit(db, table, existing, mode, schema, stream, rewrite=legacy)
         except BaseException:
-            kept.leave = False  # clear the bar: an error is the only line left on stderr
+            bar.leave = False  # clear the bar: an error is the only line left on stderr
             raise
+        spawned = pool.spawned
+        main_seconds.update(read=pool.read_seconds, wait=pool.wait_seconds,
+                            wall=time.perf_counter() - write_start[0],
+                            cpu=cpu_seconds() - write_start[1])
+    seconds = time.perf_counter() - start
     summary = {"db": db, "table": table, "docs": 0, "tokens": 0, "dups": 0, "val": 0, **stats,
-               "skipped": dict(skipped), "seconds": round(time.perf_counter() - start, 2)}
+               "skipped": dict(skipped), "seconds": round(seconds, 2), "workers": workers,
+               "tokens_per_s": round(stats["tokens"] / seconds),
+               "main_process": {k: round(v, 2) for k, v in main_seconds.items()}}
     print(f"wrote {summary['docs']} docs ({summary['tokens']} tokens) to {db}/{table} [{mode}]: "
           f"{summary['dups']} dups, {summary['val']} val; skipped {format_skipped(skipped)}; "
-          f"{summary['seconds']:.1f} s")
+          f"{seconds:.1f} s, {workers} worker{'s' * (workers > 1)}, "
+          f"{summary['tokens_per_s']:,} tokens/s")
+    if spawned:  # where the main process's time went: what caps the scaling
+            print(f"main process while writing: {main_seconds['cpu']:.1f} s of CPU in "
+              f"{main_seconds['wall']:.1f} s: reading input {main_seconds['read']:.1f} s, waiting "
+              f"for workers {main_seconds['wait']:.1f} s, ids and dedup "
+              f"{main_seconds['dedup']:.1f} s, lance's encoding and writing most of the rest")
     if replaced:
         summary["replaced_version"] = replaced[0]
         print(f"replaced version {replaced[0]} ({replaced[1]} rows) of {db}/{table}; to bring it "
               f"back: {restore_command(db, table, replaced[0])}")
     return summary
+
+
+def some_rows(batches: Iterator[pa.RecordBatch], min_chars: int,
+              skipped: Counter) -> Iterator[pa.RecordBatch]:
+    """`batches`, refused when there are none (for a stream already being written)."""
+    empty = True
+    for batch in batches:
+        empty = False
+        yield batch
+    if empty:
+        raise no_documents(min_chars, skipped)
 
 
 def restore_command(db: str, table: str, version: int) -> str:
@@ -504,21 +738,24 @@ def format_skipped(skipped: Counter) -> str:
 def ingest(inputs: list[str], db: str = DEFAULT_DB, table: str = DEFAULT_TABLE,
            tokenizer_spec: str = "byte", *, val_fraction: float = DEFAULT_VAL_FRACTION,
            min_chars: int = DEFAULT_MIN_CHARS, mode: str = "create", text_field: str = "text",
-           score_field: str | None = None, batch_size: int = DEFAULT_BATCH_SIZE) -> dict:
+           score_field: str | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
+           workers: int | None = None) -> dict:
     """Build (or extend) a corpus table from txt / jsonl / jsonl.gz / parquet inputs."""
+    if batch_size < 1:
+        raise UserError("--batch-size must be at least 1")
     skipped = Counter()
-    docs = read_documents(resolve_inputs(inputs, skipped), text_field, score_field, skipped)
-    return write_corpus(docs, db, table, tokenizer_spec, val_fraction=val_fraction,
-                        min_chars=min_chars, mode=mode, batch_size=batch_size, skipped=skipped)
+    chunks = read_chunks(resolve_inputs(inputs, skipped), text_field, score_field, batch_size)
+    opts = RowOptions(tokenizer_spec, text_field, score_field, min_chars, val_fraction)
+    return write_corpus(chunks, db, table, opts, mode=mode, workers=workers, skipped=skipped)
 
 
 def build_demo(db: str = DEFAULT_DB, table: str = DEFAULT_TABLE, tokenizer_spec: str = "byte", *,
                mode: str = "create", val_fraction: float = DEFAULT_VAL_FRACTION,
-               min_chars: int = DEFAULT_MIN_CHARS, batch_size: int = DEFAULT_BATCH_SIZE) -> dict:
+               min_chars: int = DEFAULT_MIN_CHARS, workers: int | None = None) -> dict:
     """Build the stdlib-docstring corpus, which train.py uses when no table exists."""
-    docs = ((text, None) for text in stdlib_docstrings())
-    return write_corpus(docs, db, table, tokenizer_spec, val_fraction=val_fraction,
-                        min_chars=min_chars, mode=mode, batch_size=batch_size, skipped=Counter())
+    opts = RowOptions(tokenizer_spec, min_chars=min_chars, val_fraction=val_fraction)
+    return write_corpus(demo_chunks(), db, table, opts, mode=mode, workers=workers,
+                        skipped=Counter())
 
 
 # ----------------------------------------------------------------------------- cli
@@ -539,7 +776,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--text-field", default="text", help="jsonl key or parquet column of the text")
     p.add_argument("--score-field", help="numeric field used as score instead of quality_score")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
-                   help="documents per tokenize / write batch")
+                   help="input lines (documents) per chunk a worker tokenizes: one write batch")
+    p.add_argument("--workers", type=int, default=None,
+                   help="processes that parse, tokenize and score (default: every core this "
+                   f"process may use, here {usable_cores()}); 1 runs in-process")
     p.add_argument("--restore", type=int, metavar="VERSION",
                    help="make this earlier version of --table current again (e.g. after "
                    "--mode overwrite), then exit")
@@ -550,7 +790,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     options = dict(mode=args.mode, val_fraction=args.val_fraction, min_chars=args.min_chars,
-                   batch_size=args.batch_size)
+                   workers=args.workers)
     try:
         storage.configure(args.storage_option)
         if args.restore is not None:
@@ -565,10 +805,16 @@ def main(argv=None) -> None:
             raise UserError("give at least one INPUT file or directory, or --demo")
         else:
             ingest(args.inputs, args.db, args.table, args.tokenizer, text_field=args.text_field,
-                   score_field=args.score_field, **options)
+                   score_field=args.score_field, batch_size=args.batch_size, **options)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except WorkerDied as e:
+        print(f"error: {e}; the table is as it was", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("interrupted: the table is as it was", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

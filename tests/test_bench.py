@@ -21,9 +21,9 @@ def blocks(tmp_path_factory):
     and its 128-token blocks in all four formats."""
     root = tmp_path_factory.mktemp("bench")
     db = str(root / "db")
-    docs = ((text, None) for text in itertools.islice(prepare_data.stdlib_docstrings(), 1000))
-    prepare_data.write_corpus(docs, db, "corpus", "byte", val_fraction=0.02, min_chars=50,
-                              mode="create", batch_size=1000, skipped=Counter())
+    chunks = itertools.islice(prepare_data.demo_chunks(), 3)  # 48 stdlib files' docstrings
+    prepare_data.write_corpus(chunks, db, "corpus", prepare_data.RowOptions("byte"), mode="create",
+                              workers=1, skipped=Counter())
     build_packed_datasets.build(db, "corpus", str(root / "blocks"), seq_len=128)
     return root, db
 

@@ -13,7 +13,7 @@ import pytest
 
 import build_packed_datasets
 from blocks_loaders import FORMATS, read_manifest
-from common import CORPUS_SCHEMA, TRAIN_FILTER, MultisetDigest, UserError, block_hashes, load_tokenizer
+from common import LEGACY_SCHEMA, TRAIN_FILTER, MultisetDigest, UserError, block_hashes, load_tokenizer
 from conftest import BLOCKS_SEQ_LEN, assert_user_error, run_script, save_bpe
 
 SHARED_KEYS = ("num_blocks", "seq_len", "dtype", "tokenizer", "vocab_size", "eos_id", "pad_id",
@@ -138,7 +138,7 @@ def test_a_failed_build_leaves_nothing_behind(tmp_path):
         "input_ids": pa.array(ids, pa.list_(pa.int32())),
         "n_tokens": pa.array([len(x) * 3 for x in ids], pa.int32()),
         "score": pa.array([2.0] * 40, pa.float32()),
-        "is_dup": [False] * 40, "split": ["train"] * 40}, schema=CORPUS_SCHEMA)
+        "is_dup": [False] * 40, "split": ["train"] * 40}, schema=LEGACY_SCHEMA)
     lancedb.connect(str(tmp_path / "db")).create_table("corpus", table)
     out = tmp_path / "out"
     proc = run_script("build_packed_datasets.py", "--db", tmp_path / "db", "--table", "corpus",

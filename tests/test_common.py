@@ -80,6 +80,7 @@ def write_table(db, schema, rows=2):
         "score": pa.array([2.0] * rows, pa.float32()),
         "is_dup": [False] * rows,
         "split": ["train"] * rows,
+        "digest": pa.array([bytes(16)] * rows, pa.binary(16)),
     }
     table = pa.table({f.name: pa.array(data[f.name]).cast(f.type) for f in schema}, schema=schema)
     lancedb.connect(str(db)).create_table("corpus", table)

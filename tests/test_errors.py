@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import train
-from common import CORPUS_SCHEMA, load_tokenizer
+from common import LEGACY_SCHEMA, load_tokenizer
 from conftest import save_bpe
 
 FAST = ["--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--log-every", "1",
@@ -31,7 +31,7 @@ def corpus(db, n_train=6, n_val=0, max_id=None, tokenizer="byte"):
         "input_ids": pa.array(ids, pa.list_(pa.int32())),
         "n_tokens": pa.array([len(x) for x in ids], pa.int32()),
         "score": pa.array([2.0] * n, pa.float32()), "is_dup": [False] * n,
-        "split": ["train"] * n_train + ["val"] * n_val}, schema=CORPUS_SCHEMA)
+        "split": ["train"] * n_train + ["val"] * n_val}, schema=LEGACY_SCHEMA)
     lancedb.connect(str(db)).create_table("corpus", table)
     return str(db)
 
@@ -74,7 +74,7 @@ def test_missing_or_mistyped_column(tmp_path, out, capsys, column):
 
 
 def test_wrong_column_type(tmp_path, out, capsys):
-    schema = CORPUS_SCHEMA.set(CORPUS_SCHEMA.get_field_index("score"), pa.field("score", pa.string()))
+    schema = LEGACY_SCHEMA.set(LEGACY_SCHEMA.get_field_index("score"), pa.field("score", pa.string()))
     data = {"id": [0], "text": ["x"], "input_ids": [[1, 2]], "n_tokens": [2], "score": ["high"],
             "is_dup": [False], "split": ["train"]}
     lancedb.connect(str(tmp_path / "db")).create_table("corpus", pa.table(data, schema=schema))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import train
-from common import CORPUS_SCHEMA, TRAIN_FILTER, load_tokenizer
+from common import LEGACY_SCHEMA, TRAIN_FILTER, load_tokenizer
 from conftest import assert_user_error, run_script
 from model import make_model
 
@@ -65,7 +65,7 @@ def test_pad_positions_contribute_nothing_to_the_loss(tmp_path):
         "input_ids": pa.array(ids, pa.list_(pa.int32())),
         "n_tokens": pa.array([len(x) for x in ids], pa.int32()),
         "score": pa.array([2.0] * len(docs), pa.float32()),
-        "is_dup": [False] * len(docs), "split": ["train"] * len(docs)}, schema=CORPUS_SCHEMA)
+        "is_dup": [False] * len(docs), "split": ["train"] * len(docs)}, schema=LEGACY_SCHEMA)
     tbl = lancedb.connect(str(tmp_path)).create_table("corpus", table)
     # 2 splits of 2 docs each, 3 blocks per split of 32 tokens: the splits run dry -> pads
     args = loader_args(str(tmp_path), seq_len=32, min_score=1.0, pack=True)
