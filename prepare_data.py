@@ -68,11 +68,12 @@ import shlex
 import shutil
 import sys
 import sysconfig
+import threading
 import time
 import unicodedata
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -91,6 +92,7 @@ DEFAULT_BATCH_SIZE = 1000
 CHUNK_BYTES = 8 << 20  # a chunk's raw input at most: bounds the memory in flight, whatever the lines
 DEMO_FILES_PER_CHUNK = 16  # stdlib sources (~16 KB each) per chunk of the demo corpus
 READ_ROWS = 65536  # rows per batch when reading an existing table
+STOP_GRACE_S = 10.0  # after Ctrl-C, how long lance may take to drop its uncommitted write
 MODES = ("create", "append", "overwrite")
 INPUT_TYPES = (".jsonl.gz", ".jsonl", ".parquet", ".txt")  # longest suffix first
 DEMO_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -606,6 +608,35 @@ def corpus_batches(results: Iterable[ChunkRows], seen: DigestSet, first_id: int,
         main_seconds["write"] += time.perf_counter() - handed
 
 
+def interruptible(write: Callable[[], None], stop: threading.Event) -> None:
+    """Run `write` in a thread and wait for it here, so that Ctrl-C is seen at once.
+
+    Python runs signal handlers only on the main thread, between bytecodes; lance's write
+    would hold this thread in Rust until the commit, so a Ctrl-C would be ignored and the
+    run committed anyway. On Ctrl-C, `stop` makes the stream raise, lance drops the
+    uncommitted write, and the KeyboardInterrupt goes on from here.
+    """
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            write()
+        except BaseException as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=run, name="lance-write", daemon=True)
+    thread.start()
+    try:
+        while thread.is_alive():
+            thread.join(0.1)
+    except KeyboardInterrupt:
+        stop.set()
+        thread.join(STOP_GRACE_S)  # lance drops the write; then the created dirs go
+        raise
+    if outcome:
+        raise outcome[0]
+
+
 def cpu_seconds() -> float:
     """CPU time of this process, all its threads (lance writes from threads of its own)."""
     times = os.times()
@@ -664,7 +695,8 @@ def write_corpus(chunks: Iterable[Chunk], db: str, table: str, opts: RowOptions,
                 if first is None:
                     raise no_documents(opts.min_chars, skipped)
                 stream = itertools.chain([first], batches)
-            commit(db, table, existing, mode, schema, stream, rewrite=legacy)
+            interruptible(lambda: commit(db, table, existing, mode, schema, stream, rewrite=legacy),
+                          pool.stop)
         except BaseException:
             bar.leave = False  # clear the bar: an error is the only line left on stderr
             raise
