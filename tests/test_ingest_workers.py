@@ -26,7 +26,7 @@ from common import CORPUS_SCHEMA, LEGACY_SCHEMA, UserError
 from conftest import REPO
 from prepare_data import content_digest, ingest
 from test_ingest_atomic import open_feed
-from test_prepare_data import prose, read_table, write_jsonl
+from test_prepare_data import bpe_spec, prose, read_table, write_jsonl  # noqa: F401 (a fixture)
 
 
 def mixed_inputs(tmp_path) -> list[str]:
@@ -84,6 +84,23 @@ def test_the_table_is_the_same_whatever_the_worker_count(tmp_path):
         expected_dups.append(r["digest"] in first_seen)
         first_seen.add(r["digest"])
     assert [r["is_dup"] for r in rows] == expected_dups and sum(expected_dups) >= 25
+
+
+def test_an_hf_tokenizer_writes_the_same_ids_from_the_command_line_and_in_process(tmp_path,
+                                                                                 bpe_spec):
+    """The command line loads transformers without torch and hands the workers the fast
+    tokenizer's Rust backend; this process has torch and tokenizes in-process."""
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": prose(i) + " [SEP] <pad>"} for i in range(60)])
+    proc = subprocess.run([sys.executable, "prepare_data.py", str(path), "--db", str(tmp_path / "cli"),
+                           "--tokenizer", bpe_spec, "--batch-size", "7", "--workers", "2"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "2 workers" in proc.stdout, proc.stdout + proc.stderr
+    ingest([str(path)], str(tmp_path / "here"), "corpus", bpe_spec, batch_size=7, workers=1)
+    cli, here = read_table(tmp_path / "cli"), read_table(tmp_path / "here")
+    assert cli.equals(here) and cli.schema.field("input_ids").metadata == \
+        here.schema.field("input_ids").metadata
+    sep = prepare_data.load_tokenizer(bpe_spec).eos_token_id  # [SEP] is this tokenizer's EOS
+    assert all(sep not in ids for ids in here.column("input_ids").to_pylist())  # text, not EOS
 
 
 def test_workers_1_runs_in_process_and_a_bad_worker_count_is_refused(tmp_path, capsys):
