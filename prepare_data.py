@@ -394,12 +394,13 @@ class ChunkRows:
     whole corpus, so the main process adds them), and what the chunk skipped."""
 
     rows: pa.RecordBatch | None  # ROW_SCHEMA; None when nothing in the chunk was kept
+    input_ids: pa.ListArray | None  # None for the byte tokenizer: see byte_token_ids
     skipped: Counter
     tokens: int = 0
     val: int = 0
 
 
-ROW_SCHEMA = pa.schema([f for f in CORPUS_SCHEMA if f.name not in ("id", "is_dup")])
+ROW_SCHEMA = pa.schema([f for f in CORPUS_SCHEMA if f.name not in ("id", "is_dup", "input_ids")])
 _worker: dict = {}  # this process's RowOptions and tokenizer, set by start_worker
 
 
@@ -409,15 +410,18 @@ def start_worker(opts: RowOptions, encode: FastEncoder | None = None) -> None:
     _worker.update(opts=opts, encode=encode or load_tokenizer(opts.tokenizer).encode)
 
 
-def token_ids(spec: str, encode, texts: list[str]) -> pa.ListArray:
-    """list<int32> token ids; the byte tokenizer's straight from the UTF-8 bytes."""
-    if spec != "byte":
-        return pa.array(encode(texts), pa.list_(pa.int32()))
-    encoded = [t.encode("utf-8") for t in texts]
-    offsets = np.zeros(len(encoded) + 1, dtype=np.int32)
-    np.cumsum([len(b) for b in encoded], out=offsets[1:])
-    ids = np.frombuffer(b"".join(encoded), dtype=np.uint8).astype(np.int32)
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids))
+def string_offsets(texts: pa.StringArray) -> np.ndarray:
+    """Where each string of the column starts in its data buffer, and where the last ends."""
+    return np.frombuffer(texts.buffers()[1], dtype=np.int32)[texts.offset:texts.offset + len(texts) + 1]
+
+
+def byte_token_ids(texts: pa.StringArray) -> pa.ListArray:
+    """The byte tokenizer's ids: the UTF-8 bytes of the string column, taken from its own
+    buffers. Built where the rows are written, so a worker sends its text once instead of
+    text plus 4 bytes per byte of it."""
+    offsets = string_offsets(texts)
+    data = np.frombuffer(texts.buffers()[2], dtype=np.uint8)[offsets[0]:offsets[-1]]
+    return pa.ListArray.from_arrays(pa.array(offsets - offsets[0]), pa.array(data.astype(np.int32)))
 
 
 def chunk_rows(chunk: Chunk) -> ChunkRows:
@@ -431,21 +435,22 @@ def chunk_rows(chunk: Chunk) -> ChunkRows:
         else:
             skipped["short"] += 1
     if not docs:
-        return ChunkRows(None, skipped)
+        return ChunkRows(None, None, skipped)
     texts = [text for text, _ in docs]
-    ids = token_ids(opts.tokenizer, encode, texts)
-    n_tokens = np.diff(np.asarray(ids.offsets)).astype(np.int32)
+    text_column = pa.array(texts, pa.string())
+    ids = None if opts.tokenizer == "byte" else pa.array(encode(texts), pa.list_(pa.int32()))
+    n_tokens = np.diff(np.asarray(ids.offsets) if ids is not None else string_offsets(text_column))
+    n_tokens = n_tokens.astype(np.int32)
     digests = [content_digest(t) for t in texts]
     splits = [split_of(d, opts.val_fraction) for d in digests]
     rows = pa.record_batch([
-        pa.array(texts, pa.string()),
-        ids,
+        text_column,
         pa.array(n_tokens),
         pa.array([quality_score(t) if s is None else s for t, s in docs], pa.float32()),
         pa.array(splits, pa.string()),
         pa.array(digests, pa.binary(16)),
     ], schema=ROW_SCHEMA)
-    return ChunkRows(rows, skipped, tokens=int(n_tokens.sum()), val=splits.count("val"))
+    return ChunkRows(rows, ids, skipped, tokens=int(n_tokens.sum()), val=splits.count("val"))
 
 
 def digest_matrix(digests: pa.Array) -> np.ndarray:
@@ -592,9 +597,10 @@ def corpus_batches(results: Iterable[ChunkRows], seen: DigestSet, first_id: int,
         rows, n = result.rows, result.rows.num_rows
         is_dup = seen.add(digest_matrix(rows.column("digest")))
         next_id = first_id + stats["docs"]
+        ids = result.input_ids if result.input_ids is not None else byte_token_ids(rows.column("text"))
         batch = pa.record_batch([
             pa.array(np.arange(next_id, next_id + n, dtype=np.int64)), rows.column("text"),
-            rows.column("input_ids"), rows.column("n_tokens"), rows.column("score"),
+            ids, rows.column("n_tokens"), rows.column("score"),
             pa.array(is_dup), rows.column("split"), rows.column("digest"),
         ], schema=CORPUS_SCHEMA)
         stats.update(docs=n, tokens=result.tokens, dups=int(is_dup.sum()), val=result.val,
