@@ -85,3 +85,19 @@ def test_learning_quick_trains_every_variant_on_the_same_budget(blocks, tmp_path
     assert (tmp_path / "learning.png").stat().st_size > 0
     assert "val loss mean" in proc.stdout and "pad share" in proc.stdout
     assert f"recommendation: {data['recommendation']}" in proc.stdout
+
+
+def test_ingest_measures_every_worker_count_the_ceiling_and_appends(tmp_path):
+    out = tmp_path / "ingest.json"
+    proc = run_script("bench/ingest.py", "--docs", 1500, "--tokenizers", "byte", "--workers", "1,2",
+                      "--repeats", 1, "--append-rows", 5000, "--out", out, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert (tmp_path / "ingest.png").stat().st_size > 0
+    points = {r["workers"]: r for r in data["results"]}
+    assert set(points) == {1, 2} and all(p["same_table"] for p in points.values())
+    assert points[1]["docs"] == points[2]["docs"] > 0 and points[2]["tokens"] == points[1]["tokens"]
+    assert points[2]["ceiling"]["processes"] == 2 and points[2]["ceiling"]["tokens"] == points[2]["tokens"]
+    assert points[2]["main_process"]["wait_s"] >= 0 and points[1]["main_process"] is None
+    assert [a["table_rows"] for a in data["appends"]] == [points[1]["docs"], 5000]
+    assert all(a["summary"].startswith("wrote 100 docs") for a in data["appends"])
