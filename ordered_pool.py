@@ -103,6 +103,7 @@ class OrderedPool:
         executor, self.executor = self.executor, None
         if executor is None:
             return
+        # The executor's own table of its processes (Python 3.14 adds terminate_workers()).
         processes = list(getattr(executor, "_processes", None) or {})
         for pid in processes:
             try:
