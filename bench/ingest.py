@@ -43,7 +43,6 @@ tokens/s against workers per tokenizer with ideal linear scaling dashed, and pea
 from __future__ import annotations
 
 import argparse
-import gzip
 import itertools
 import json
 import os
@@ -64,14 +63,13 @@ sys.path.insert(0, BENCH)
 
 import lancedb  # noqa: E402
 import pyarrow.compute as pc  # noqa: E402
-import pyarrow.parquet as pq  # noqa: E402
 
 import stdlib_corpus  # noqa: E402
 from common import UserError  # noqa: E402
 from loader_memory import kill_tree, tree_memory  # noqa: E402
 from loaders import machine_info, write_json  # noqa: E402
 import prepare_data  # noqa: E402
-from prepare_data import DEFAULT_BATCH_SIZE, DEFAULT_MIN_CHARS, input_type, resolve_inputs  # noqa: E402
+from prepare_data import DEFAULT_BATCH_SIZE, DEFAULT_MIN_CHARS, resolve_inputs  # noqa: E402
 
 SAMPLE_S = 0.05
 STARTUP_DOCS = 100  # the start-up run's input: the corpus's first documents
@@ -115,24 +113,11 @@ def write_corpus(path: str, n: int) -> dict:
 
 
 def read_texts(paths: list[str], text_field: str):
-    """Every document's text of the inputs, as prepare_data reads them (bad lines skipped)."""
-    for path in paths:
-        kind = input_type(path)
-        if kind == ".txt":
-            with open(path, encoding="utf-8", errors="replace") as f:
-                yield f.read()
-        elif kind == ".parquet":
-            for batch in pq.ParquetFile(path).iter_batches(columns=[text_field]):
-                yield from (t for t in batch.column(0).to_pylist() if t)
-        else:
-            with (gzip.open if kind == ".jsonl.gz" else open)(path, "rt", encoding="utf-8", errors="replace") as f:
-                for line in f:
-                    try:
-                        text = json.loads(line).get(text_field)
-                    except (ValueError, AttributeError):
-                        continue
-                    if isinstance(text, str):
-                        yield text
+    """Every document's text of the inputs, read and parsed by prepare_data itself (bad
+    lines skipped, as it skips them; no length filter)."""
+    opts = prepare_data.RowOptions("byte", text_field)
+    for chunk in prepare_data.read_chunks(paths, text_field, None, DEFAULT_BATCH_SIZE):
+        yield from (text for text, _ in prepare_data.PARSERS[chunk.kind](chunk, opts, Counter()))
 
 
 def train_bpe(directory: str, paths: list[str], opts) -> dict:

@@ -23,7 +23,7 @@ import pytest
 
 import prepare_data
 from common import CORPUS_SCHEMA, LEGACY_SCHEMA, UserError
-from conftest import REPO
+from conftest import REPO, _proc_stat, pids_mentioning, wait_gone
 from prepare_data import content_digest, ingest
 from test_ingest_atomic import open_feed
 from test_prepare_data import bpe_spec, prose, read_table, write_jsonl  # noqa: F401 (a fixture)
@@ -116,35 +116,7 @@ def test_workers_1_runs_in_process_and_a_bad_worker_count_is_refused(tmp_path, c
 
 def spawned_children(pid: int) -> list[int]:
     """The worker processes (spawned Python interpreters) whose parent is `pid`."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == pid and b"spawn_main" in cmdline:
-            found.append(int(entry))
-    return found
-
-
-def wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
-    """The pids still running (not zombies) after up to `timeout` seconds."""
-    def alive(pid):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except OSError:
-            return False
-
-    deadline = time.monotonic() + timeout
-    while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return left
+    return [p for p in pids_mentioning("spawn_main") if (stat := _proc_stat(p)) and stat[1] == pid]
 
 
 def test_a_fatal_input_in_a_worker_is_one_error_and_leaves_the_table(tmp_path):
@@ -160,7 +132,7 @@ def test_a_fatal_input_in_a_worker_is_one_error_and_leaves_the_table(tmp_path):
                workers=2)
     tbl = lancedb.connect(db).open_table("corpus")
     assert tbl.version == before and tbl.count_rows() == 5
-    assert wait_gone(spawned_children(os.getpid())) == []
+    assert wait_gone(spawned_children(os.getpid()), timeout=10.0) == []
 
 
 @pytest.mark.parametrize("how", ["ctrl-c", "sigkill"])
@@ -197,7 +169,7 @@ def test_ctrl_c_or_a_kill_mid_run_leaves_the_table_and_no_worker(tmp_path, how):
         assert err.strip().splitlines() == ["interrupted: the table is as it was"], err
     else:
         assert proc.returncode == -signal.SIGKILL
-    assert wait_gone(workers) == []
+    assert wait_gone(workers, timeout=10.0) == []
     tbl = lancedb.connect(db).open_table("corpus")
     assert tbl.version == before and tbl.count_rows() == 5
 
