@@ -720,7 +720,7 @@ def write_corpus(chunks: Iterable[Chunk], db: str, table: str, opts: RowOptions,
           f"{seconds:.1f} s, {workers} worker{'s' * (workers > 1)}, "
           f"{summary['tokens_per_s']:,} tokens/s")
     if spawned:  # where the main process's time went: what caps the scaling
-            print(f"main process while writing: {main_seconds['cpu']:.1f} s of CPU in "
+        print(f"main process while writing: {main_seconds['cpu']:.1f} s of CPU in "
               f"{main_seconds['wall']:.1f} s: reading input {main_seconds['read']:.1f} s, waiting "
               f"for workers {main_seconds['wait']:.1f} s, ids and dedup "
               f"{main_seconds['dedup']:.1f} s, lance's encoding and writing most of the rest")
