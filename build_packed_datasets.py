@@ -58,7 +58,6 @@ from common import (
     UserError,
     block_hashes,
     check_table_tokenizer,
-    connect_table,
     corpus_filter,
     is_remote,
     load_tokenizer,
@@ -238,7 +237,7 @@ def build(db: str, table: str, out: str, *, formats=FORMATS, seq_len: int = 1024
     if existing and not overwrite:
         raise UserError(f"{out.rstrip('/')}/{existing[0]} already exists; pass --overwrite to replace it")
     tok = load_tokenizer(tokenizer_spec)
-    tbl = connect_table(db, table)
+    tbl = storage.connect_table(db, table)
     check_table_tokenizer(tbl, tok, f"the table {table!r} in {db!r}")
     where = corpus_filter(min_score, TRAIN_FILTER)
     docs, tokens = packed_token_count(tbl, where)

@@ -1,12 +1,14 @@
-"""Shared pieces: defaults, the corpus schema, opening the table, tokenizers.
+"""Shared pieces: defaults, the corpus schema, tokenizers, atomic writes, the CLI parser.
 
-Everything a user can get wrong here (a missing db, a table without the columns
-training needs, a tokenizer that is not available offline) is raised as
+Everything a user can get wrong here (a tokenizer that is not available offline, a
+table tokenized with other ids, a file that cannot be written) is raised as
 `UserError`, which the entrypoints turn into one line on stderr and an exit code.
 """
 
 from __future__ import annotations
 
+import argparse
+import errno
 import hashlib
 import os
 from dataclasses import dataclass, field
@@ -36,8 +38,9 @@ CORPUS_SCHEMA = pa.schema(
 # and the first append to it adds the column.
 LEGACY_SCHEMA = pa.schema([f for f in CORPUS_SCHEMA if f.name != "digest"])
 
-# What training reads, and the arrow types it accepts for each column.
-_TRAIN_COLUMNS: dict[str, tuple[str, Callable[[pa.DataType], bool]]] = {
+# What training reads, and the arrow types it accepts for each column
+# (storage.connect_table checks a table against it).
+TRAIN_COLUMNS: dict[str, tuple[str, Callable[[pa.DataType], bool]]] = {
     "input_ids": (
         "a list of integers",
         lambda t: (pa.types.is_list(t) or pa.types.is_large_list(t))
@@ -54,40 +57,17 @@ class UserError(Exception):
     """A mistake the user can fix; printed as one line, never as a traceback."""
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's usage mistakes as UserError, so they too end in one `error:` line
+    rather than argparse's usage block."""
+
+    def error(self, message):
+        raise UserError(message)
+
+
 def is_remote(uri: str) -> bool:
     """Object-store URIs (s3://, gs://, az://...) cannot be checked with os.path."""
     return "://" in uri
-
-
-def connect_table(db: str, table: str):
-    """Open `table` in `db`, checking it has the columns training reads."""
-    import storage
-
-    if not is_remote(db) and not os.path.isdir(db):
-        raise UserError(
-            f"no LanceDB database at {db!r}; create one with "
-            f"`python prepare_data.py INPUT --db {db} --table {table}`"
-        )
-    conn = storage.connect(db)
-    try:
-        tbl = conn.open_table(table)
-    except (ValueError, FileNotFoundError, OSError) as e:
-        raise UserError(storage.describe(e, db) or (
-            f"table {table!r} not found in {db!r} ({e}); create it with "
-            f"`python prepare_data.py INPUT --db {db} --table {table}`")) from None
-    schema = tbl.schema
-    for name, (what, ok) in _TRAIN_COLUMNS.items():
-        if name not in schema.names:
-            raise UserError(
-                f"table {table!r} in {db!r} has no {name!r} column "
-                f"(columns: {', '.join(schema.names)}); build it with prepare_data.py"
-            )
-        if not ok(schema.field(name).type):
-            raise UserError(
-                f"column {name!r} of table {table!r} is {schema.field(name).type}, "
-                f"expected {what}"
-            )
-    return tbl
 
 
 def block_hashes(blocks: np.ndarray) -> list[str]:
@@ -123,17 +103,42 @@ def corpus_filter(min_score: float, split_filter: str) -> str:
 
 
 def atomic_write(path: str, write: Callable[[str], None]) -> None:
-    """`write(tmp)`, then rename over `path`: the file is complete or absent. A write that
-    fails (a full disk, a read-only directory) is a UserError and leaves no temp file."""
+    """`write(tmp)`, fsync, rename over `path`, fsync the directory: the file is complete or
+    absent, even after a power loss. A write that fails (a full disk, a read-only directory)
+    is a UserError and leaves no temp file."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         write(tmp)
+        _fsync(tmp)  # the data is on disk before the name points at it
         os.replace(tmp, path)
+        try:
+            _fsync(os.path.dirname(path) or ".")  # and the rename itself
+        except OSError as e:  # EINVAL, ENOTSUP: a filesystem that cannot sync a directory
+            if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise
     except OSError as e:
         raise UserError(f"cannot write {path!r}: {e.strerror or e}") from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _fsync(path: str) -> None:
+    """Flush a file's (or a directory's entries') data to disk; `write` callables take a
+    path, so the file is reopened rather than synced through their handle."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_out_dir(flag: str, path: str) -> None:
+    """Refuse an output file whose directory does not exist, before any work: the
+    benchmarks make no directories, so a mistyped --out is not silently created."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UserError(f"{flag} {path!r}: no directory {folder!r}; create it first")
 
 
 def write_stream(write: Callable, schema: pa.Schema, batches) -> None:

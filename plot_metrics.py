@@ -25,7 +25,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
-from common import UserError, atomic_write
+from common import ArgumentParser, UserError, atomic_write
 
 # Suffixes for token counts and rates, largest first.
 _SCALES = [(1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")]
@@ -235,15 +235,8 @@ def plot(paths: list[str], out: str, title: str | None = None) -> int:
     return sum(len(run["train"]) for run in runs)
 
 
-class _ArgumentParser(argparse.ArgumentParser):
-    """argparse's usage mistakes as UserError, so they too end in one `error:` line."""
-
-    def error(self, message):
-        raise UserError(message)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
-    p = _ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("files", nargs="*", metavar="RUN.jsonl", help="metrics files from train.py --metrics-file")
     p.add_argument("--out", required=True, metavar="FILE.png", help="image to write (its suffix picks the format)")
     p.add_argument("--title", default=None, metavar="T", help="figure title (default: the run's description, for one run)")

@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import os
 import sys
 
 import torch
 
+from checkpoint import newest_checkpoint, read_checkpoint
 from common import UserError, load_tokenizer
 from model import make_model
-from train import CKPT_NAME, read_checkpoint
 
 CONFIG_KEYS = ("model", "tokenizer", "seq_len")
 
@@ -37,35 +36,26 @@ def check_checkpoint(ckpt, path: str) -> dict:
     return ckpt["config"]
 
 
-def newest_checkpoint(ckpt_dir: str) -> tuple[str, dict]:
-    """The newest rank-0 checkpoint in `ckpt_dir` that loads, as (path, checkpoint).
-
-    Sampling needs no loader state, so unlike train.newest_complete_checkpoint the
-    other ranks' files are not read; unreadable steps are skipped with a warning.
-    """
-    names = sorted((n for n in os.listdir(ckpt_dir) if CKPT_NAME.match(n)), reverse=True) \
-        if os.path.isdir(ckpt_dir) else []
-    for name in names:
-        path = os.path.join(ckpt_dir, name)
-        try:
-            ckpt = read_checkpoint(path)
-            check_checkpoint(ckpt, path)
-            return path, ckpt
-        except UserError as e:
-            print(f"warning: skipping checkpoint {path}: {e}", file=sys.stderr)
-    raise UserError(f"--ckpt auto: no readable checkpoint in {ckpt_dir!r}; "
-                    f"pass --ckpt-dir where train.py wrote them, or --ckpt PATH")
+def read_model_checkpoint(path: str) -> dict:
+    """A checkpoint that holds what building the model needs (sampling needs no loader
+    state, so unlike a resume the other ranks' files are not read)."""
+    ckpt = read_checkpoint(path)
+    check_checkpoint(ckpt, path)
+    return ckpt
 
 
 def load_model(path_or_auto: str, ckpt_dir: str, device: torch.device):
     """(model in eval mode on `device`, tokenizer, checkpoint path, config) for a checkpoint
     path or, for "auto", the newest one in `ckpt_dir`."""
     if path_or_auto == "auto":
-        path, ckpt = newest_checkpoint(ckpt_dir)
+        found = newest_checkpoint(ckpt_dir, read_model_checkpoint)
+        if found is None:
+            raise UserError(f"--ckpt auto: no readable checkpoint in {ckpt_dir!r}; "
+                            f"pass --ckpt-dir where train.py wrote them, or --ckpt PATH")
+        path, ckpt = found
     else:
-        path = path_or_auto
-        ckpt = read_checkpoint(path)
-    config = check_checkpoint(ckpt, path)
+        path, ckpt = path_or_auto, read_model_checkpoint(path_or_auto)
+    config = ckpt["config"]
     try:
         tok = load_tokenizer(config["tokenizer"])
     except UserError as e:

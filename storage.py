@@ -11,7 +11,8 @@ Three libraries reach the store, and each is handed the same settings:
 - boto3 inside MosaicML streaming, through `export_for_boto3`, which puts the
   resolved endpoint and keys into the environment that boto3 reads.
 
-`configure` is called once by each entrypoint with its `--storage-option` flags.
+`connect_table` opens the corpus table (local or remote) and checks it has what training
+reads. `configure` is called once by each entrypoint with its `--storage-option` flags.
 Requests are bounded (a few retries, request timeouts), so a store that cannot be
 reached fails the run with one line instead of hanging it.
 """
@@ -23,7 +24,7 @@ import os
 import re
 from urllib.parse import urlparse
 
-from common import UserError, is_remote
+from common import TRAIN_COLUMNS, UserError, is_remote
 
 # Bounded by default: lance's own default retry budget is 180 s per request.
 LANCE_DEFAULTS = {"client_max_retries": "3", "client_retry_timeout": "60", "connect_timeout": "10s",
@@ -135,6 +136,35 @@ def connect(uri: str):
         return lancedb.connect(uri, storage_options=lance_options())
     except Exception as e:
         raise UserError(describe(e, uri) or f"cannot open {uri!r}: {first_line(e)}") from None
+
+
+def connect_table(db: str, table: str):
+    """Open `table` in `db`, checking it has the columns training reads."""
+    if not is_remote(db) and not os.path.isdir(db):
+        raise UserError(
+            f"no LanceDB database at {db!r}; create one with "
+            f"`python prepare_data.py INPUT --db {db} --table {table}`"
+        )
+    conn = connect(db)
+    try:
+        tbl = conn.open_table(table)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        raise UserError(describe(e, db) or (
+            f"table {table!r} not found in {db!r} ({e}); create it with "
+            f"`python prepare_data.py INPUT --db {db} --table {table}`")) from None
+    schema = tbl.schema
+    for name, (what, ok) in TRAIN_COLUMNS.items():
+        if name not in schema.names:
+            raise UserError(
+                f"table {table!r} in {db!r} has no {name!r} column "
+                f"(columns: {', '.join(schema.names)}); build it with prepare_data.py"
+            )
+        if not ok(schema.field(name).type):
+            raise UserError(
+                f"column {name!r} of table {table!r} is {schema.field(name).type}, "
+                f"expected {what}"
+            )
+    return tbl
 
 
 def filesystem(uri: str):

@@ -57,7 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # and loaders.ma
 
 import torch  # noqa: E402
 
-from common import DEFAULT_TABLE, UserError, atomic_write  # noqa: E402
+from common import DEFAULT_TABLE, ArgumentParser, UserError, check_out_dir  # noqa: E402
 from model import MODEL_SIZES  # noqa: E402
 
 TRAIN = os.path.join(REPO, "train.py")
@@ -135,17 +135,10 @@ def print_table(results: list[dict], device: str) -> None:
 
 # ── Main ─────────────────────────────────────────────────────────────────────────────
 
-class _ArgumentParser(argparse.ArgumentParser):
-    """argparse's usage mistakes as UserError, so they too end in one `error:` line."""
-
-    def error(self, message):
-        raise UserError(message)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     argv = sys.argv[1:] if argv is None else list(argv)
     cut = argv.index("--") if "--" in argv else len(argv)
-    p = _ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, help=f"optimizer steps per run (default {GPU['steps']})")
     p.add_argument("--batch-size", type=int, help=f"blocks per GPU per step (default {GPU['batch_size']})")
     p.add_argument("--seq-len", type=int, help=f"default {GPU['seq_len']}")
@@ -179,9 +172,7 @@ def check_opts(opts) -> list[int]:
         raise UserError(f"--steps {opts.steps} leaves no train record to measure: the first {SKIP_RECORDS} "
                         f"(one per --log-every {opts.log_every} steps) are warm-up; pass at least "
                         f"{(SKIP_RECORDS + 1) * opts.log_every}")
-    folder = os.path.dirname(os.path.abspath(opts.out))
-    if not os.path.isdir(folder):
-        raise UserError(f"--out {opts.out!r}: no directory {folder!r}; create it first")
+    check_out_dir("--out", opts.out)
     if opts.dry_run:
         return [1, DRY_RANKS]
     gpus = torch.cuda.device_count()
@@ -210,7 +201,7 @@ def gpu_check(opts) -> None:
                   f"restarts the loader, which data_wait counts (--db a bigger corpus for the steady state)",
                   file=sys.stderr)
 
-    from loaders import machine_info  # after the runs: it opens a CUDA context on GPU 0
+    from loaders import machine_info, write_json  # after the runs: it opens a CUDA context on GPU 0
     from train import peak_bf16_flops
 
     machine = {**machine_info(), "gpu_count": torch.cuda.device_count(), "cuda": torch.version.cuda}
@@ -221,12 +212,8 @@ def gpu_check(opts) -> None:
                     measured=f"median of the train records after the first {SKIP_RECORDS}")
     print_table(results, opts.device)
 
-    def dump(tmp: str) -> None:
-        with open(tmp, "w") as f:
-            json.dump({"machine": machine, "settings": settings, "results": results,
-                       "total_s": round(time.perf_counter() - started, 1)}, f, indent=2)
-
-    atomic_write(opts.out, dump)
+    write_json(opts.out, {"machine": machine, "settings": settings, "results": results,
+                          "total_s": round(time.perf_counter() - started, 1)})
     print(f"\nwrote {opts.out} in {time.perf_counter() - started:.0f} s")
 
 

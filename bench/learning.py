@@ -56,10 +56,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # bench/ is not a package: import the project's modules from the root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # and loaders.machine_info
 
+import data  # noqa: E402
+import storage  # noqa: E402
 import train  # noqa: E402
-from common import (DEFAULT_TABLE, TRAIN_FILTER, VAL_FILTER, UserError, atomic_write, connect_table,  # noqa: E402
-                    table_tokenizer)
-from loaders import machine_info  # noqa: E402
+from common import (DEFAULT_TABLE, TRAIN_FILTER, VAL_FILTER, ArgumentParser, UserError, atomic_write,  # noqa: E402
+                    check_out_dir, table_tokenizer)
+from loaders import machine_info, write_json  # noqa: E402
 
 VARIANTS = {"row": [], "pack": ["--pack"], "pack+doc-mask": ["--pack", "--doc-mask"]}
 MODEL = "tiny"
@@ -204,25 +206,10 @@ def draw(results: list[dict], machine: dict, opts, path: str) -> None:
     atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
 
 
-def write_json(path: str, data: dict) -> None:
-    def dump(tmp: str) -> None:
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=2)
-
-    atomic_write(path, dump)
-
-
 # ── Main ─────────────────────────────────────────────────────────────────────────────
 
-class _ArgumentParser(argparse.ArgumentParser):
-    """argparse's usage mistakes as UserError, so they too end in one `error:` line."""
-
-    def error(self, message):
-        raise UserError(message)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
-    p = _ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--db", default="", help="the corpus db (default: build the demo corpus in a temp dir)")
     p.add_argument("--table", default=DEFAULT_TABLE)
     p.add_argument("--out", default=DEFAULT_OUT, help="results JSON (default: bench/results/learning.json)")
@@ -253,9 +240,7 @@ def check_opts(opts) -> None:
     if not (math.isfinite(opts.lr) and opts.lr > 0):
         raise UserError(f"--lr must be a positive number (got {opts.lr})")
     for flag, path in (("--out", opts.out), ("--png", opts.png)):
-        folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder):
-            raise UserError(f"{flag} {path!r}: no directory {folder!r}; create it first")
+        check_out_dir(flag, path)
     if opts.db and not os.path.isdir(opts.db):
         raise UserError(f"no LanceDB database at {opts.db!r}; create one with "
                         f"`python prepare_data.py INPUT --db {opts.db} --table {opts.table}`")
@@ -264,24 +249,24 @@ def check_opts(opts) -> None:
 def check_corpus(opts) -> dict:
     """Refuse a corpus the runs could not finish on (too few steps in an epoch, no
     validation split) before the first run; returns what the settings record of it."""
-    table = connect_table(opts.db, opts.table)
+    table = storage.connect_table(opts.db, opts.table)
     recorded = table_tokenizer(table)
     opts.tokenizer = recorded["tokenizer"] if recorded else "byte"
     for variant in VARIANTS:
         args = train.parse_args(train_argv(opts, variant, 1, "unused", "unused"))
         num_splits = train.check_args(args, 1)
-        plan = train.plan_epoch(args, table, num_splits, args.batch_size)
+        plan = data.plan_epoch(args, table, num_splits, args.batch_size)
         if plan.micro_steps_per_epoch < opts.steps:
             raise UserError(f"{variant}: an epoch of {opts.table!r} holds {plan.micro_steps_per_epoch} steps of "
                             f"{opts.batch_size} x {opts.seq_len}, fewer than --steps {opts.steps}: every "
                             f"variant must see new data for the whole budget; lower --steps or --batch-size")
-    val_filter = train.data_filter(args, VAL_FILTER)
+    val_filter = data.data_filter(args, VAL_FILTER)
     val_docs = table.count_rows(val_filter)
     if val_docs == 0:
         raise UserError(f"no validation documents in {opts.table!r} pass the filter ({val_filter}); "
                         f"prepare the corpus with --val-fraction above 0")
     return {"db": os.path.abspath(opts.db), "table": opts.table, "tokenizer": opts.tokenizer,
-            "table_version": table.version, "train_docs": table.count_rows(train.data_filter(args, TRAIN_FILTER)),
+            "table_version": table.version, "train_docs": table.count_rows(data.data_filter(args, TRAIN_FILTER)),
             "val_docs": val_docs, "val_docs_evaluated": min(val_docs, opts.eval_batches * opts.batch_size),
             "min_score": args.min_score}
 

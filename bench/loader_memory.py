@@ -53,7 +53,7 @@ bounded split may always hold about two read batches beyond the consumer: the pr
 
 Part 2, start-up. Corpus tables of --startup-rows short documents (10-60 tokens) are written
 the same way. For each size, --startup-splits split count, and the row and packed paths, a
-fresh process times make_dataset + the first `next` (train.make_dataset, the
+fresh process times make_dataset + the first `next` (data.make_dataset, the
 BoundedStreamingDataset train.py uses), and another the same through lancedb's own
 StreamingDataset (same arguments minus buffer_bytes, lancedb.streaming.Permutation restored to
 lancedb's), the latter only up to 2M rows (its per-split scans of the whole permutation take
@@ -105,8 +105,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import build_packed_datasets  # noqa: E402
+import data  # noqa: E402
+import storage  # noqa: E402
 import train  # noqa: E402
-from common import TRAIN_FILTER, UserError, connect_table, load_tokenizer, synthetic_corpus  # noqa: E402
+from common import (TRAIN_FILTER, ArgumentParser, UserError, check_out_dir, load_tokenizer,  # noqa: E402
+                    synthetic_corpus)
 from loaders import (FORKSERVER_PRELOAD, MP_CONTEXT, TRAIN_DEFAULTS, Bench, LanceEpochs, machine_info,  # noqa: E402
                      release, write_json)
 
@@ -268,15 +271,15 @@ class MemoryBench(Bench):
             return super().loader(mode, *rest, **named)
         o = self.opts
         args = self.train_args(o.read_batch_size, o.io_queue_depth, o.transform_parallelism)
-        source = train.corpus_source(args, self.tok, TRAIN_FILTER, packed=False)
-        return LanceEpochs(lambda e: train.make_dataset(args, self.corpus, 0, 1, epoch=e, shuffle=True,
+        source = data.corpus_source(args, self.tok, TRAIN_FILTER, packed=False)
+        return LanceEpochs(lambda e: data.make_dataset(args, self.corpus, 0, 1, epoch=e, shuffle=True,
                                                         num_splits=o.batch_size, **source), args)
 
     def rows_total(self, mode: str) -> int:
         """Rows of the permutation the lance path reads (all splits of the rank)."""
         if mode == "lance":
             return self.blocks_table.count_rows()
-        return self.corpus.count_rows(train.data_filter(self.train_args(1, 1, 1), TRAIN_FILTER))
+        return self.corpus.count_rows(data.data_filter(self.train_args(1, 1, 1), TRAIN_FILTER))
 
 
 def counters(ds) -> dict:
@@ -465,11 +468,11 @@ def startup_child(spec: dict, report: Report) -> None:
     rss_start = own_rss_mib()
     if spec["impl"] != "bounded" and PERM_MEMORY_ENV not in os.environ:
         os.environ[PERM_MEMORY_ENV] = str(max(100 * 2**20, PERM_BYTES_PER_ROW * spec["rows"]))
-    table = connect_table(spec["db"], "corpus")
+    table = storage.connect_table(spec["db"], "corpus")
     args = train.parse_args(["--db", spec["db"], "--seq-len", str(spec["seq_len"]),
                              "--batch-size", str(spec["splits"]), *(["--pack"] if spec["path"] == "packed" else [])])
     train.check_args(args, 1)
-    where = train.data_filter(args, TRAIN_FILTER)
+    where = data.data_filter(args, TRAIN_FILTER)
     result = {"rss_before_mib": own_rss_mib()}  # lancedb imported, the table open
     if spec["impl"] == "build":
         from lancedb.permutation import permutation_builder
@@ -479,18 +482,18 @@ def startup_child(spec: dict, report: Report) -> None:
         result["build_s"] = time.perf_counter() - start
     else:
         start = time.perf_counter()
-        plan = train.plan_epoch(args, table, spec["splits"], spec["splits"])
+        plan = data.plan_epoch(args, table, spec["splits"], spec["splits"])
         result["plan_s"] = time.perf_counter() - start
-        source = train.corpus_source(args, load_tokenizer("byte"), TRAIN_FILTER, packed=args.pack,
+        source = data.corpus_source(args, load_tokenizer("byte"), TRAIN_FILTER, packed=args.pack,
                                      blocks_per_epoch=plan.blocks_per_epoch)
         if spec["impl"] == "lancedb":
             use_lancedb_streaming()
         result["rss_before_mib"] = own_rss_mib()
         start = time.perf_counter()
-        ds = train.make_dataset(args, table, 0, 1, epoch=0, shuffle=True, num_splits=spec["splits"], **source)
+        ds = data.make_dataset(args, table, 0, 1, epoch=0, shuffle=True, num_splits=spec["splits"], **source)
         result["make_dataset_s"] = time.perf_counter() - start
         result["dataset"] = type(ds).__name__
-        batches = iter(train.make_loader(ds, args, torch.device("cpu"), spec["splits"]))
+        batches = iter(data.make_loader(ds, args, torch.device("cpu"), spec["splits"]))
         next(batches)
         result["first_batch_s"] = time.perf_counter() - start
         del batches
@@ -500,7 +503,7 @@ def startup_child(spec: dict, report: Report) -> None:
 
 
 def use_lancedb_streaming() -> None:
-    """Make train.make_dataset build lancedb's own StreamingDataset (same arguments, no
+    """Make data.make_dataset build lancedb's own StreamingDataset (same arguments, no
     buffer_bytes) and undo bounded_streaming's rebinding of lancedb.streaming.Permutation."""
     import lancedb.streaming
     from lancedb.permutation import Permutation
@@ -601,13 +604,6 @@ def startup_corpus(opts, rows: int) -> str:
 
 # ── Main ─────────────────────────────────────────────────────────────────────────────
 
-class _ArgumentParser(argparse.ArgumentParser):
-    """argparse's usage mistakes as UserError, so they too end in one `error:` line."""
-
-    def error(self, message):
-        raise UserError(message)
-
-
 def int_list(flag: str, text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -619,7 +615,7 @@ def int_list(flag: str, text: str) -> list[int]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = _ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="results JSON")
     p.add_argument("--png", default="", help="RSS against tokens (default: --out with .png)")
     p.add_argument("--quick", action="store_true",
@@ -664,9 +660,7 @@ def check_opts(opts) -> None:
     if opts.skip_memory and opts.skip_startup:
         raise UserError("--skip-memory and --skip-startup together leave nothing to run")
     for flag, path in (("--out", opts.out), ("--png", opts.png)):
-        folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder):
-            raise UserError(f"{flag} {path!r}: no directory {folder!r}; create it first")
+        check_out_dir(flag, path)
     if opts.work and os.path.exists(opts.work) and not os.path.isdir(opts.work):
         raise UserError(f"--work {opts.work!r} is a file, not a directory")
     # The memory corpus: its Arrow input_ids (4 bytes a token and an offset a row) against the budget.

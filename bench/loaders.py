@@ -57,10 +57,11 @@ sys.path.insert(0, REPO)  # bench/ is not a package: import the project's module
 import torch  # noqa: E402
 
 import blocks_loaders  # noqa: E402
+import data  # noqa: E402
 import storage  # noqa: E402
 import train  # noqa: E402
-from common import (TRAIN_FILTER, MultisetDigest, UserError, block_hashes, connect_table,  # noqa: E402
-                    is_remote, load_tokenizer)
+from common import (TRAIN_FILTER, MultisetDigest, UserError, atomic_write, block_hashes, is_remote,  # noqa: E402
+                    load_tokenizer)
 
 MODES = ("lance-docs", "lance", "mosaic", "parquet-random", "parquet-seq", "lance-docs-unbounded",
          "lance-unbounded")
@@ -77,7 +78,7 @@ TRAIN_DEFAULTS = train.parse_args([])  # the loader settings train.py runs with 
 MOSAIC_CANONICAL_NODES = 8  # blocks_loaders.mosaic_blocks
 # Imported once in the forkserver, so a worker process starts in ~1 s instead of
 # re-importing torch (~5 s here) at every epoch: the benchmark times loaders, not imports.
-FORKSERVER_PRELOAD = ["torch", "blocks_loaders", "train", "streaming"]
+FORKSERVER_PRELOAD = ["torch", "blocks_loaders", "data", "streaming"]
 
 # Mosaic hands out read-only views of its shards; the collate warning about them is noise.
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
@@ -101,7 +102,7 @@ class LanceEpochs:
     def epoch(self, e: int):
         while len(self.datasets) <= e:
             self.datasets.append(self.make_dataset(len(self.datasets)))
-        return train.make_loader(self.datasets[e], self.args, torch.device("cpu"), self.args.batch_size)
+        return data.make_loader(self.datasets[e], self.args, torch.device("cpu"), self.args.batch_size)
 
     def stats(self) -> dict:
         """Seconds the loader's own threads spent (summed over threads): where the time went."""
@@ -134,7 +135,7 @@ class Bench:
             opts.min_score = float(found.group(1)) if found else 1.0
         self.tok = load_tokenizer(self.manifest["tokenizer"])
         bases = {base_mode(m) for m in opts.modes}
-        self.corpus = connect_table(self.db, self.table_name) if "lance-docs" in bases else None
+        self.corpus = storage.connect_table(self.db, self.table_name) if "lance-docs" in bases else None
         self.blocks_table = blocks_loaders.open_lance_blocks(blocks_path(opts.blocks, "lance"))[0] \
             if "lance" in bases else None
 
@@ -161,15 +162,15 @@ class Bench:
         mode = base_mode(mode)
         if mode == "lance-docs":
             args = self.train_args(*lance_settings, shuffle_seed=shuffle_seed, buffer_mb=buffer_mb)
-            plan = train.plan_epoch(args, self.corpus, num_splits, args.batch_size)
-            source = train.corpus_source(args, self.tok, TRAIN_FILTER, packed=True,
+            plan = data.plan_epoch(args, self.corpus, num_splits, args.batch_size)
+            source = data.corpus_source(args, self.tok, TRAIN_FILTER, packed=True,
                                          blocks_per_epoch=plan.blocks_per_epoch)
-            return LanceEpochs(lambda e: train.make_dataset(
+            return LanceEpochs(lambda e: data.make_dataset(
                 args, self.corpus, 0, 1, epoch=e, shuffle=True, num_splits=num_splits, **source), args)
         if mode == "lance":
             args = self.train_args(*lance_settings, shuffle_seed=shuffle_seed, buffer_mb=buffer_mb)
             transform = functools.partial(blocks_loaders.blocks_to_samples, seq_len=self.seq_len)
-            return LanceEpochs(lambda e: train.make_dataset(
+            return LanceEpochs(lambda e: data.make_dataset(
                 args, self.blocks_table, 0, 1, epoch=e, shuffle=True, num_splits=num_splits,
                 transform=transform), args)
         return blocks_loaders.BlocksEpochs(
@@ -276,7 +277,7 @@ def check(bench: Bench, mode: str, reference: Counter | None = None) -> tuple[di
         src = m["source"]
         same_source = (same_location(bench.db, src["db"])
                        and bench.table_name == src["table"] and bench.corpus.version == src["table_version"]
-                       and train.data_filter(bench.train_args(1, 1, 1), TRAIN_FILTER) == src["filter"])
+                       and data.data_filter(bench.train_args(1, 1, 1), TRAIN_FILTER) == src["filter"])
         if not same_source:
             return {"ok": None, **expected, "note": "corpus, table version or filter differ from the "
                     "blocks' source: nothing to compare"}, Counter()
@@ -351,7 +352,7 @@ def settings_of(bench: Bench, opts) -> dict:
              "io_queue_depth": opts.io_queue_depth, "io_threads": b * opts.io_queue_depth,
              "transform_parallelism": opts.transform_parallelism,
              "transform_threads": opts.transform_parallelism, "processes": 1,
-             "loader": "train.make_loader: DataLoader(num_workers=0)", "shuffle_seed": SEED,
+             "loader": "data.make_loader: DataLoader(num_workers=0)", "shuffle_seed": SEED,
              "loader_buffer_mb": opts.loader_buffer_mb}
     workers = {"processes": 1 + opts.workers, "num_workers": opts.workers, "mp_context": MP_CONTEXT,
                "forkserver_preload": FORKSERVER_PRELOAD, "persistent_workers": False,
@@ -459,13 +460,15 @@ def draw(results: list[dict], machine: dict, opts, path: str) -> None:
     plt.close(fig)
 
 
-def write_json(path: str, data: dict) -> None:
-    """Temp file + rename: the output is complete or absent."""
+def write_json(path: str, results: dict) -> None:
+    """A bench's JSON through common.atomic_write: complete or absent."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
+
+    def dump(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            json.dump(results, f, indent=2)
+
+    atomic_write(path, dump)
 
 
 # ── Main ─────────────────────────────────────────────────────────────────────────────

@@ -21,6 +21,7 @@ import sys
 import sysconfig
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import UserError, atomic_write, check_out_dir  # noqa: E402
 from prepare_data import DEMO_SKIP_DIRS, DOCUMENTED_NODES  # noqa: E402
 
 
@@ -46,27 +47,51 @@ def docstrings(path: str):
             yield inspect.cleandoc(doc)
 
 
+def source(path: str) -> str:
+    """A whole source file as text; one that cannot be read is a one-line error (as an
+    OSError inside the writer it would read as OUT not being writable)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read().decode("utf-8", errors="replace")
+    except OSError as e:
+        raise UserError(f"cannot read {path!r}: {e.strerror or e}") from None
+
+
+def write_corpus(out: str, docstrings_only: bool) -> tuple[int, int]:
+    """Write the corpus to `out`, complete or absent; returns (documents, files read)."""
+    check_out_dir("OUT", out)  # before the walk, like the other benchmarks' outputs
+    paths = sysconfig.get_paths()
+    if docstrings_only:
+        files = python_files([paths["stdlib"], paths["purelib"]], {"__pycache__"})
+        texts = (doc for path in files for doc in docstrings(path))
+    else:
+        files = python_files([paths["stdlib"]], DEMO_SKIP_DIRS)
+        texts = (source(path) for path in files)
+    count = 0
+
+    def write(tmp: str) -> None:
+        nonlocal count
+        with open(tmp, "w") as f:
+            for text in texts:
+                f.write(json.dumps({"text": text, "score": 2.0}) + "\n")
+                count += 1
+
+    atomic_write(out, write)
+    return count, len(files)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", metavar="OUT.jsonl")
     p.add_argument("--docstrings", action="store_true",
                    help="docstrings of the stdlib and site-packages instead of whole stdlib files")
     args = p.parse_args(argv)
-    paths = sysconfig.get_paths()
-    if args.docstrings:
-        files = python_files([paths["stdlib"], paths["purelib"]], {"__pycache__"})
-        texts = (doc for path in files for doc in docstrings(path))
-    else:
-        files = python_files([paths["stdlib"]], DEMO_SKIP_DIRS)
-        texts = (open(path, "rb").read().decode("utf-8", errors="replace") for path in files)
-    tmp = f"{args.out}.tmp{os.getpid()}"  # temp + rename: OUT is complete or absent
-    count = 0
-    with open(tmp, "w") as f:
-        for text in texts:
-            f.write(json.dumps({"text": text, "score": 2.0}) + "\n")
-            count += 1
-    os.replace(tmp, args.out)
-    print(f"wrote {count:,} documents from {len(files):,} files to {args.out}")
+    try:
+        count, files = write_corpus(args.out, args.docstrings)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"wrote {count:,} documents from {files:,} files to {args.out}")
 
 
 if __name__ == "__main__":

@@ -63,6 +63,12 @@ def test_stdlib_corpus_writes_one_scored_line_per_source_file(tmp_path):
     assert any("def " in d["text"] for d in lines)
 
 
+def test_stdlib_corpus_into_a_missing_directory_is_a_one_line_error(tmp_path):
+    proc = run_script("bench/stdlib_corpus.py", tmp_path / "nowhere" / "out.jsonl", cwd=tmp_path)
+    assert_user_error(proc, "no directory", "nowhere")
+    assert list(tmp_path.iterdir()) == []  # nothing written, no directory made
+
+
 def test_learning_quick_trains_every_variant_on_the_same_budget(blocks, tmp_path):
     root, db = blocks
     out = tmp_path / "learning.json"

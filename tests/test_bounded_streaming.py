@@ -19,6 +19,7 @@ from lancedb.streaming import StreamingDataset
 
 import blocks_loaders
 import bounded_streaming
+import data
 import train
 from common import TRAIN_FILTER, load_tokenizer, synthetic_corpus
 from conftest import REPO, run_script
@@ -51,18 +52,18 @@ def train_args(*extra):
 
 
 def dataset(path, corpus, blocks_table, budget_mb, num_workers=0):
-    """train.make_dataset as train.py builds it for `path`, with this budget."""
+    """data.make_dataset as train.py builds it for `path`, with this budget."""
     args = train_args("--loader-buffer-mb", budget_mb, "--num-workers", num_workers,
                       *(["--pack"] if path == "pack" else []))
     if path == "blocks":
         source = dict(transform=functools.partial(blocks_loaders.blocks_to_samples, seq_len=SEQ_LEN))
         table = blocks_table
     else:
-        plan = train.plan_epoch(args, corpus, SPLITS, SPLITS)
-        source = train.corpus_source(args, load_tokenizer("byte"), TRAIN_FILTER, path == "pack",
+        plan = data.plan_epoch(args, corpus, SPLITS, SPLITS)
+        source = data.corpus_source(args, load_tokenizer("byte"), TRAIN_FILTER, path == "pack",
                                      plan.blocks_per_epoch)
         table = corpus
-    ds = train.make_dataset(args, table, 0, 1, epoch=0, shuffle=True, num_splits=SPLITS, **source)
+    ds = data.make_dataset(args, table, 0, 1, epoch=0, shuffle=True, num_splits=SPLITS, **source)
     return ds, args
 
 
@@ -77,7 +78,7 @@ def read_ahead(path, corpus, blocks_table, budget_mb, num_workers=0):
     not yet consumed (raw + transformed queues) at any sample, and the rows it fetched. With
     workers, the counters are those of the worker that reported last, over its own splits."""
     ds, args = dataset(path, corpus, blocks_table, budget_mb, num_workers)
-    batches = iter(train.make_loader(ds, args, torch.device("cpu"), SPLITS))
+    batches = iter(data.make_loader(ds, args, torch.device("cpu"), SPLITS))
     held, fetched = 0, 0
     try:
         for i in range(40):
@@ -152,11 +153,11 @@ def test_the_samples_of_lancedb_itself_for_any_budget(corpus, blocks_table, path
 def test_a_budget_below_one_read_batch_finishes_the_epoch(tmp_path, path):
     corpus = synthetic_corpus(str(tmp_path / "db"), 600, 20, 60, seed=3)
     args = train_args("--loader-buffer-mb", 1e-6, *(["--pack"] if path == "pack" else []))
-    plan = train.plan_epoch(args, corpus, SPLITS, SPLITS)
-    source = train.corpus_source(args, load_tokenizer("byte"), TRAIN_FILTER, path == "pack",
+    plan = data.plan_epoch(args, corpus, SPLITS, SPLITS)
+    source = data.corpus_source(args, load_tokenizer("byte"), TRAIN_FILTER, path == "pack",
                                  plan.blocks_per_epoch)
-    ds = train.make_dataset(args, corpus, 0, 1, epoch=0, shuffle=True, num_splits=SPLITS, **source)
-    batches = list(train.make_loader(ds, args, torch.device("cpu"), SPLITS))
+    ds = data.make_dataset(args, corpus, 0, 1, epoch=0, shuffle=True, num_splits=SPLITS, **source)
+    batches = list(data.make_loader(ds, args, torch.device("cpu"), SPLITS))
     assert len(batches) == plan.micro_steps_per_epoch > 0
     assert ds.peak_buffered_bytes > 0  # the budget was in force, at its floor
 
@@ -165,11 +166,11 @@ def first_batch_seconds(table, splits, path):
     """Seconds from make_dataset to the first batch."""
     args = train.parse_args(["--seq-len", str(SEQ_LEN), "--batch-size", str(splits),
                              *(["--pack"] if path == "pack" else [])])
-    source = train.corpus_source(args, load_tokenizer("byte"), TRAIN_FILTER, path == "pack",
+    source = data.corpus_source(args, load_tokenizer("byte"), TRAIN_FILTER, path == "pack",
                                  blocks_per_epoch=splits * 4)
     start = time.perf_counter()
-    ds = train.make_dataset(args, table, 0, 1, epoch=0, shuffle=True, num_splits=splits, **source)
-    batches = iter(train.make_loader(ds, args, torch.device("cpu"), splits))
+    ds = data.make_dataset(args, table, 0, 1, epoch=0, shuffle=True, num_splits=splits, **source)
+    batches = iter(data.make_loader(ds, args, torch.device("cpu"), splits))
     next(batches)
     seconds = time.perf_counter() - start
     stop(batches)

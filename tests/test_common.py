@@ -1,13 +1,21 @@
-"""Tokenizers and table checks (common.py)."""
+"""Tokenizers, table checks and atomic writes (common.py; storage.connect_table)."""
+
+import errno
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
 
 import lancedb
 import pyarrow as pa
 import pytest
 from tokenizers import Tokenizer as RawTokenizer
 
-from common import (CORPUS_SCHEMA, Tokenizer, UserError, check_table_tokenizer, connect_table,
+from common import (CORPUS_SCHEMA, ArgumentParser, Tokenizer, UserError, atomic_write, check_table_tokenizer,
                     load_tokenizer, table_tokenizer)
-from conftest import save_bpe
+from conftest import REPO, save_bpe
+from storage import connect_table
 
 TEXTS = ["hello world, this is a tokenizer test.", "the quick brown fox jumps over the lazy dog"] * 20
 
@@ -157,3 +165,70 @@ def test_check_table_tokenizer_compares_ids_not_spec(tmp_path):
     write_table(tmp_path / "plain", CORPUS_SCHEMA)
     check_table_tokenizer(lancedb.connect(str(tmp_path / "plain")).open_table("corpus"),
                           load_tokenizer("byte"), where)  # records nothing: unchecked
+
+
+def test_common_does_not_import_storage():
+    """storage imports common, never the other way round (no import cycle)."""
+    code = "import sys, common; assert 'storage' not in sys.modules, 'common imported storage'"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_argument_parser_mistakes_are_user_errors():
+    p = ArgumentParser()
+    p.add_argument("--n", type=int, required=True)
+    with pytest.raises(UserError, match="--n"):
+        p.parse_args([])
+    with pytest.raises(UserError, match="invalid int value"):
+        p.parse_args(["--n", "x"])
+
+
+def record_fsyncs(monkeypatch):
+    """Patch os.fsync and os.replace to log ("file" | "dir" | "replace") in call order."""
+    log = []
+    fsync, replace = os.fsync, os.replace
+
+    def logged_fsync(fd):
+        log.append("dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        fsync(fd)
+
+    def logged_replace(src, dst):
+        log.append("replace")
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", logged_fsync)
+    monkeypatch.setattr(os, "replace", logged_replace)
+    return log
+
+
+def test_atomic_write_syncs_the_data_then_renames_then_syncs_the_directory(tmp_path, monkeypatch):
+    log = record_fsyncs(monkeypatch)
+    path = tmp_path / "out.txt"
+    atomic_write(str(path), lambda tmp: Path(tmp).write_text("done"))
+    assert path.read_text() == "done" and os.listdir(tmp_path) == ["out.txt"]
+    assert log == ["file", "replace", "dir"]
+
+
+def test_atomic_write_failure_is_a_user_error_and_leaves_nothing(tmp_path):
+    path = tmp_path / "out.txt"
+
+    def half(tmp):
+        Path(tmp).write_text("half")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pytest.raises(UserError, match="cannot write .*No space left"):
+        atomic_write(str(path), half)
+    assert os.listdir(tmp_path) == []
+
+
+def test_atomic_write_on_a_filesystem_that_cannot_sync_a_directory(tmp_path, monkeypatch):
+    fsync = os.fsync
+
+    def no_dir_sync(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", no_dir_sync)
+    atomic_write(str(tmp_path / "out.txt"), lambda tmp: Path(tmp).write_text("done"))
+    assert (tmp_path / "out.txt").read_text() == "done"

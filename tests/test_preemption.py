@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-import train
+import checkpoint
 from conftest import (REPO, free_port, is_alive, kill_tree, process_tree, read_trace, run_train,
                       start_train, wait_gone)
 
@@ -52,7 +52,7 @@ def samples_per_step(trace_dir):
 
 
 def newest_step(ck):
-    path, ckpt, _ = train.newest_complete_checkpoint(str(ck))
+    path, ckpt, _ = checkpoint.load_resume("auto", str(ck))
     return ckpt["opt_step"]
 
 

@@ -10,6 +10,7 @@ import pyarrow as pa
 import pytest
 import torch
 
+import data
 import train
 from common import LEGACY_SCHEMA, TRAIN_FILTER, load_tokenizer
 from conftest import assert_user_error, run_script
@@ -34,6 +35,31 @@ def test_readme_smoke_run_builds_demo_and_learns(smoke_run):
     assert re.search(r"val_loss=\d+\.\d{4}$", final), final
     assert "mfu n/a" in out  # the CPU has no peak-FLOPs figure: no made-up percentage
     assert (cwd / "checkpoints" / "step_00000040.pt").is_file()
+
+
+# The reference's log line, field for field (../shared/seed/train.py); new fields may only follow it.
+REFERENCE_LINE = re.compile(r"^epoch \d+ step \d+/\d+ \| loss \d+\.\d{4} \| [\d,]+ tok/s \| mfu (n/a|\d+\.\d%) "
+                            r"\| q \d+/\d+/\d+/\d+ \| fetch \d+\.\ds tx \d+\.\ds(?P<rest>.*)$")
+
+
+def test_log_line_starts_with_the_reference_fields_in_order(smoke_run):
+    proc, _ = smoke_run
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("epoch ")]
+    assert len(lines) == 4, proc.stdout
+    for line in lines:
+        found = REFERENCE_LINE.match(line)
+        assert found, line
+        assert re.fullmatch(r" \| data_wait \d+\.\d%", found["rest"]), line  # no mem on the CPU
+
+
+def test_log_line_puts_new_fields_after_the_reference_ones():
+    stats = dict(unscanned_rows=1, raw_queue_depth=2, prefetch_queue_depth=3, consumed_rows=4,
+                 fetch_s=1.25, transform_s=0.5)
+    line = train.log_line("", 2, 30, 100, 3.14159, 12345.6, 0.4321, 0.05, 7.25, stats)
+    assert line == ("epoch 2 step 30/100 | loss 3.1416 | 12,346 tok/s | mfu 43.2% | q 1/2/3/4 | "
+                    "fetch 1.2s tx 0.5s | data_wait 5.0% | mem 7.2 GiB")
+    baseline = train.log_line("[mosaic] ", 0, 5, 9, 1.0, 10.0, None, 0.5, None, None)  # no lance counters
+    assert baseline == "[mosaic] epoch 0 step 5/9 | loss 1.0000 | 10 tok/s | mfu n/a | data_wait 50.0%"
 
 
 def test_missing_non_default_db_is_an_error(tmp_path):
@@ -69,8 +95,8 @@ def test_pad_positions_contribute_nothing_to_the_loss(tmp_path):
     tbl = lancedb.connect(str(tmp_path)).create_table("corpus", table)
     # 2 splits of 2 docs each, 3 blocks per split of 32 tokens: the splits run dry -> pads
     args = loader_args(str(tmp_path), seq_len=32, min_score=1.0, pack=True)
-    ds = train.make_dataset(args, tbl, 0, 1, epoch=0, shuffle=True, num_splits=2,
-                            **train.corpus_source(args, tok, TRAIN_FILTER, packed=True, blocks_per_epoch=6))
+    ds = data.make_dataset(args, tbl, 0, 1, epoch=0, shuffle=True, num_splits=2,
+                            **data.corpus_source(args, tok, TRAIN_FILTER, packed=True, blocks_per_epoch=6))
     batch = next(iter(torch.utils.data.DataLoader(ds, batch_size=6)))
     input_ids = batch["input_ids"]
     is_pad = input_ids == tok.pad_token_id

@@ -1,0 +1,50 @@
+"""The ranks of a run: torchrun's environment in, the few collectives the other files share.
+
+train.py sets the process group up; data.py and checkpoint.py agree on table versions,
+the --ckpt-dir lock and checkpoint commits through `barrier` and `broadcast_from_main`.
+On one process (no torchrun) every call here is a no-op.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def setup_distributed(timeout_s: int) -> tuple[int, int, torch.device]:
+    """Rank, world size and device; a collective that waits longer than `timeout_s` for a
+    peer fails instead of hanging the run."""
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if world_size > 1:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    return rank, world_size, device
+
+
+def barrier(world_size: int) -> None:
+    if world_size > 1:
+        dist.barrier()
+
+
+def broadcast_from_main(value, world_size: int):
+    """Rank 0's `value` on every rank (so all ranks agree while a table changes under them)."""
+    box = [value]
+    if world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def print0(*args, **kwargs) -> None:
+    """print, flushed, on rank 0 only: every rank computes the same run-level lines."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(*args, **kwargs, flush=True)
