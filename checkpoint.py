@@ -27,7 +27,7 @@ import torch.distributed as dist
 import storage
 from ckpt_lock import CheckpointDirLock
 from common import UserError, atomic_write
-from distributed import barrier, broadcast_from_main, print0
+from distributed import barrier, broadcast_from_main
 
 CKPT_NAME = re.compile(r"^step_(\d{8})\.pt$")
 
@@ -81,7 +81,6 @@ def save_checkpoint(ckpt_dir: str, rank: int, world_size: int, rank_payload: dic
     barrier(world_size)
     if rank == 0:
         prune_checkpoints(ckpt_dir, keep_last)
-    print0(f"  saved {path}")
     return path
 
 

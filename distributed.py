@@ -16,18 +16,23 @@ import torch.distributed as dist
 
 def setup_distributed(timeout_s: int) -> tuple[int, int, torch.device]:
     """Rank, world size and device; a collective that waits longer than `timeout_s` for a
-    peer fails instead of hanging the run."""
+    peer fails instead of hanging the run.
+
+    The device is set before the process group exists, and handed to NCCL as `device_id`,
+    the documented order: NCCL then binds each rank's communicator to its own GPU at
+    once, instead of guessing it at the first collective.
+    """
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    if world_size > 1:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    if world_size > 1:
+        backend, bound = ("nccl", {"device_id": device}) if device.type == "cuda" else ("gloo", {})
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s), **bound)
     return rank, world_size, device
 
 

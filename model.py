@@ -3,7 +3,8 @@ A GPT-2 style language model and the table of sizes we train.
 
 Kept close to nanoGPT's model.py (and GPT-2's parameter names) so that it is easy
 to read and easy to compare against the reference. There is no dropout: training
-must be deterministic so that a resumed run matches an uninterrupted one bit for bit.
+must be deterministic so that a resumed run matches an uninterrupted one bit for bit
+(on CUDA with train.py --deterministic; see README 'GPU check').
 """
 
 import functools
@@ -183,13 +184,14 @@ class GPT(nn.Module):
             n -= self.transformer.wpe.weight.numel()
         return n
 
-    def logits(self, input_ids, doc_ids=None):
+    def logits(self, input_ids, doc_ids=None, flex=None):
         """Next-token logits for every position, (B, T) -> (B, T, vocab_size).
 
         `doc_ids` (B, T), the packed loader's document index per position: each
         document segment of a row then attends only within itself and its positions
         restart at 0, so a packed row gives exactly the logits of its segments run
         one by one. None: one causal sequence per row (the reference's behaviour).
+        `flex` picks the mask's kind (see `document_mask`; None: FlexAttention on CUDA).
         """
         B, T = input_ids.size()
         if T > self.cfg.seq_len:
@@ -206,7 +208,7 @@ class GPT(nn.Module):
                     f"input_ids shape {tuple(input_ids.shape)}"
                 )
             pos = segment_positions(doc_ids)  # (B, T)
-            doc_mask = document_mask(doc_ids)
+            doc_mask = document_mask(doc_ids, flex)
         tok_emb = self.transformer.wte(input_ids)  # (B, T, C)
         pos_emb = self.transformer.wpe(pos)  # (T, C) or (B, T, C)
         x = tok_emb + pos_emb  # (B, T, C)
@@ -215,14 +217,14 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         return self.lm_head(x)  # (B, T, vocab_size)
 
-    def forward(self, input_ids, loss_mask, doc_ids=None):
+    def forward(self, input_ids, loss_mask, doc_ids=None, flex=None):
         """Mean next-token cross-entropy over the positions whose target is a real token."""
         if loss_mask.shape != input_ids.shape:
             raise ValueError(
                 f"loss_mask shape {tuple(loss_mask.shape)} does not match "
                 f"input_ids shape {tuple(input_ids.shape)}"
             )
-        logits = self.logits(input_ids, doc_ids)[:, :-1]  # (B, T-1, vocab_size)
+        logits = self.logits(input_ids, doc_ids, flex)[:, :-1]  # (B, T-1, vocab_size)
         targets = input_ids[:, 1:]  # (B, T-1)
         mask = loss_mask[:, 1:].float()  # (B, T-1)
         # float32 cross-entropy even under autocast: bf16 log-softmax over a big vocab is lossy

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import multiprocessing as mp
@@ -48,25 +49,28 @@ from data import (DEFAULT_LOADER_BUFFER_MB, TrainingData, WaitClock, check_valid
 from distributed import print0, setup_distributed
 from model import MODEL_SIZES, make_model
 
-# Dense (no sparsity) bf16 tensor-core peak per device, the dtype training runs in on
-# CUDA. The first pattern found in torch.cuda.get_device_name() wins; a device not
-# listed (and the CPU) reports MFU as n/a rather than a guess.
+# Dense bf16 tensor-core peak per device, the dtype training runs in on CUDA. Datasheets
+# print the 2:4-sparse figure first (marked *); the dense one is half of it. The first
+# pattern found in torch.cuda.get_device_name() wins, so a board's variants (PCIe, NVL)
+# come before its plain name; a device not listed (and the CPU) reports MFU as n/a
+# rather than a guess.
 PEAK_BF16_FLOPS = (
-    (r"\bH100\b.*\bPCIe\b", 756e12),
-    (r"\bH100\b.*\bNVL\b", 835e12),
-    (r"\bH100\b", 989e12),  # SXM / HBM3 boards
-    (r"\bH800\b.*\bPCIe\b", 756e12),
-    (r"\bH800\b", 989e12),
-    (r"\bG?H200\b", 989e12),
-    (r"\bH20\b", 148e12),
-    (r"\bB200\b", 2250e12),
-    (r"\bA100\b", 312e12),
-    (r"\bA800\b", 312e12),
-    (r"\bA10\b", 125e12),  # not the A10G, whose figure NVIDIA does not publish
-    (r"\bL40S\b", 362e12),
-    (r"\bL40\b", 181e12),
-    (r"\bL4\b", 121e12),
-    (r"\bMI300X\b", 1307e12),
+    (r"\bH100\b.*\bPCIe\b", 756e12),  # H100 datasheet (2023), PCIe: 1,513 TFLOPS sparse
+    (r"\bH100\b.*\bNVL\b", 835e12),  # H100 NVL product brief (2024), per GPU: 1,671 sparse
+    (r"\bH100\b", 989e12),  # H100 datasheet, SXM5 (HBM3): 1,979 sparse
+    (r"\bH800\b.*\bPCIe\b", 756e12),  # H800 datasheet, PCIe: 1,513 sparse
+    (r"\bH800\b", 989e12),  # H800 datasheet, SXM5: 1,979 sparse
+    (r"\bH200\b.*\bNVL\b", 835e12),  # H200 datasheet (2024), H200 NVL: 1,671 sparse
+    (r"\bG?H200\b", 989e12),  # H200 datasheet, H200 SXM (and GH200's GPU): 1,979 sparse
+    (r"\bH20\b", 148e12),  # H20 spec sheet: 296 sparse
+    (r"\bB200\b", 2250e12),  # HGX B200 datasheet: 36 PFLOPS sparse for 8 GPUs, 2.25 dense each
+    (r"\bA100\b", 312e12),  # A100 datasheet (40 and 80 GB, SXM and PCIe): 624 sparse
+    (r"\bA800\b", 312e12),  # A800 datasheet: 624 sparse
+    (r"\bA10\b", 125e12),  # A10 datasheet: 250 sparse; not the A10G, whose figure is unpublished
+    (r"\bL40S\b", 362e12),  # L40S datasheet: 733 sparse
+    (r"\bL40\b", 181e12),  # L40 datasheet: 362 sparse
+    (r"\bL4\b", 121e12),  # L4 datasheet: 242 sparse
+    (r"\bMI300X\b", 1307e12),  # AMD Instinct MI300X datasheet: 1,307.4 dense bf16 (2,614.9 sparse)
 )
 
 
@@ -126,6 +130,10 @@ def add_model_flags(g) -> None:
                    "its positions restart at 0 (FlexAttention on CUDA), from the loader's doc_ids")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
     g.add_argument("--compile-mode", default="default", help="torch.compile mode, e.g. max-autotune")
+    g.add_argument("--deterministic", action="store_true",
+                   help="torch's deterministic algorithms (and cuBLAS's fixed workspace): on CUDA a "
+                   "resumed run repeats an uninterrupted one bit for bit, at a cost in tok/s "
+                   "(README 'GPU check'); the CPU is deterministic without it")
 
 
 def add_optimization_flags(g) -> None:
@@ -618,10 +626,13 @@ def train_loop(run: Run, state: TrainState, model, trainable, opt, loader_state,
         if state.opt_step % args.log_every == 0:
             interval = log_progress(run, state, interval, clock.waited, loss, opt.param_groups[0]["lr"], ds)
         if state.opt_step % args.ckpt_every == 0:
-            save(run, state, model, opt, epoch, ds, batch)
+            interval = interval.excluding(save(run, state, model, opt, epoch, ds, batch))
         if args.eval_every and state.opt_step % args.eval_every == 0:
+            started = time.perf_counter()
             val = validate(run, state, model)
-            print0(f"  val loss @ step {state.opt_step}: {format_val(val, args)}")
+            seconds = time.perf_counter() - started
+            interval = interval.excluding(seconds)
+            print0(f"  val loss @ step {state.opt_step}: {format_val(val, args)} ({seconds:.1f} s, not in tok/s)")
         if vote.stop_now(stop is not None and stop.requested is not None):
             stopped = True
             break
@@ -634,11 +645,15 @@ def train_loop(run: Run, state: TrainState, model, trainable, opt, loader_state,
 
 @dataclass(frozen=True)
 class Interval:
-    """The start of a --log-every interval: tok/s, MFU and data_wait are measured over it."""
+    """The start of a --log-every interval: tok/s, MFU and data_wait are measured over it.
+    Checkpoints and evals inside it are moved out of it (`excluding`): they are not training."""
 
     time: float
     step: int
     waited: float  # the WaitClock's total then
+
+    def excluding(self, seconds: float) -> Interval:
+        return dataclasses.replace(self, time=self.time + seconds)
 
 
 def log_progress(run: Run, state: TrainState, since: Interval, waited: float, loss, lr: float, ds) -> Interval:
@@ -678,17 +693,23 @@ def checked_tokens(state: TrainState, world_size: int) -> int:
     return int(totals[0])
 
 
-def save(run: Run, state: TrainState, model, opt, epoch: int, ds, batch) -> None:
+def save(run: Run, state: TrainState, model, opt, epoch: int, ds, batch) -> float:
     """Checkpoint this step on every rank, once the weights are known to be finite: the
-    loss of the last batch is computed again on the weights about to be saved."""
+    loss of the last batch is computed again on the weights about to be saved. Returns
+    the seconds it took.
+
+    The probe runs on the uncompiled module (as `evaluate` does): under --compile a
+    no-grad call would compile the whole model once more.
+    """
+    started = time.perf_counter()
+    weights = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: keys without _orig_mod.
     with torch.no_grad():
-        probe, _ = batch_loss(model, batch, run.device, run.tok, run.args.doc_mask)
+        probe, _ = batch_loss(weights, batch, run.device, run.tok, run.args.doc_mask)
     state.nonfinite += ~torch.isfinite(probe)
     seen = checked_tokens(state, run.world_size)
     rank_payload = {"dataset": ds.state_dict() if ds is not None else None, "epoch": epoch,
                     "opt_step": state.opt_step}
-    weights = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: keys without _orig_mod.
-    checkpoint.save_checkpoint(run.args.ckpt_dir, run.rank, run.world_size, rank_payload, lambda: {
+    path = checkpoint.save_checkpoint(run.args.ckpt_dir, run.rank, run.world_size, rank_payload, lambda: {
         "model": weights.state_dict(),
         "optimizer": opt.state_dict(),
         "tokens_seen": seen,
@@ -697,13 +718,18 @@ def save(run: Run, state: TrainState, model, opt, epoch: int, ds, batch) -> None
         "data_version": run.data.at(epoch).version,
     }, run.args.keep_last)
     state.last_saved = state.opt_step
+    seconds = time.perf_counter() - started
+    print0(f"  saved {path} ({seconds:.1f} s, not in tok/s)")
+    return seconds
 
 
 def validate(run: Run, state: TrainState, model) -> float | None:
-    """The val loss at this step, evaluated once (and recorded) however often it is asked."""
+    """The val loss at this step, evaluated once (and recorded) however often it is asked.
+    On the uncompiled module: eval mode and no grad would recompile a compiled one."""
     if state.opt_step not in state.val_losses:
-        state.val_losses[state.opt_step] = evaluate(model, run.args, run.data.at(state.epoch).table, run.rank,
-                                                    run.world_size, run.device, run.tok)
+        state.val_losses[state.opt_step] = evaluate(getattr(model, "_orig_mod", model), run.args,
+                                                    run.data.at(state.epoch).table, run.rank, run.world_size,
+                                                    run.device, run.tok)
         seen = checked_tokens(state, run.world_size)
         if run.metrics:
             run.metrics.write("eval", step=state.opt_step, epoch=state.epoch, tokens_seen=seen,
@@ -743,6 +769,8 @@ def run(args, stop: preemption.StopSignals) -> int:
     0 done or stopped by a signal (checkpointed), 1 a peer lost, 2 a user error, 130 a second Ctrl-C."""
     rank, world_size, device = setup_distributed(args.dist_timeout)
     torch.set_float32_matmul_precision("high")
+    if args.deterministic:
+        use_deterministic_algorithms()
     code = 0
     try:
         storage.configure(args.storage_option)
@@ -765,6 +793,15 @@ def run(args, stop: preemption.StopSignals) -> int:
     if world_size > 1 and code == 0:
         dist.destroy_process_group()
     return code
+
+
+def use_deterministic_algorithms() -> None:
+    """--deterministic. cuBLAS reads its workspace setting when its first handle is made,
+    so this runs before any matmul. Ops with no deterministic kernel warn rather than
+    stop the run: the warning names them, and the resume test measures what is left."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
 
 
 def finalizers_may_hang(args, code: int) -> bool:

@@ -25,9 +25,10 @@ def readme_command(prefix: str) -> str:
 SMOKE_COMMAND = readme_command("pip install -e . && python ").split()
 
 
-def run_script(script, *args, cwd, timeout=600):
-    """Run one of the project's scripts as a user would; returns the CompletedProcess."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def run_script(script, *args, cwd, timeout=600, env=None):
+    """Run one of the project's scripts as a user would (`env`: variables added to ours);
+    returns the CompletedProcess."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([sys.executable, str(REPO / script), *map(str, args)], cwd=cwd,
                           env=env, capture_output=True, text=True, timeout=timeout)
 

@@ -62,6 +62,20 @@ def test_log_line_puts_new_fields_after_the_reference_ones():
     assert baseline == "[mosaic] epoch 0 step 5/9 | loss 1.0000 | 10 tok/s | mfu n/a | data_wait 50.0%"
 
 
+def test_compiled_run_does_not_recompile_for_checkpoints_or_evals(demo_db, tmp_path):
+    """--compile (inductor's C++ kernels on the CPU): the checkpoint's no-grad probe and the
+    evals run on the uncompiled module, so after the first step nothing compiles again and
+    the next log interval's tok/s holds training only. (Before, each triggered a full
+    recompile: "GLOBAL_STATE changed: grad_mode".)"""
+    proc = run_script("train.py", "--db", demo_db, *FAST, "--compile", "--steps", "6", "--ckpt-every", "2",
+                      "--eval-every", "3", "--ckpt-dir", tmp_path / "ck", cwd=tmp_path,
+                      env={"TORCH_LOGS": "recompiles"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("saved ") == 3 and proc.stdout.count("val loss @ step") == 2, proc.stdout
+    assert "not in tok/s" in proc.stdout
+    assert not [line for line in proc.stderr.splitlines() if "Recompiling" in line], proc.stderr
+
+
 def test_missing_non_default_db_is_an_error(tmp_path):
     proc = run_script("train.py", "--db", tmp_path / "nowhere", "--steps", "2", cwd=tmp_path)
     assert_user_error(proc, "no LanceDB database")
@@ -263,7 +277,8 @@ def test_resume_may_trade_batch_size_for_grad_accum(demo_db, tmp_path, capsys):
 
 @pytest.mark.parametrize("name,peak", [
     ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
-    ("NVIDIA H200", 989e12), ("NVIDIA GH200 480GB", 989e12), ("NVIDIA H20", 148e12),
+    ("NVIDIA H200", 989e12), ("NVIDIA H200 NVL", 835e12), ("NVIDIA GH200 480GB", 989e12), ("NVIDIA H20", 148e12),
+    ("NVIDIA H800 PCIe", 756e12), ("NVIDIA B200", 2250e12), ("AMD Instinct MI300X", 1307e12),
     ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A100 80GB PCIe", 312e12), ("NVIDIA A10", 125e12),
     ("NVIDIA A10G", None), ("NVIDIA L40S", 362e12), ("NVIDIA L4", 121e12), ("Tesla T4", None),
     ("Tesla V100-SXM2-16GB", None), ("NVIDIA GeForce RTX 4090", None),
