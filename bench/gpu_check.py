@@ -1,16 +1,24 @@
-"""GPU check: train.py's throughput on one GPU, then on all local GPUs, in one command.
+"""GPU check: the CUDA-only paths verified, then train.py's throughput, in one command.
 
 Usage:
     python bench/gpu_check.py [--steps 300] [--batch-size 16] [--seq-len 1024] [--model small]
         [--db DIR] [--workdir DIR] [--out FILE.json] [--dry-run] [-- TRAIN.PY FLAGS...]
 
-It builds the demo corpus into --workdir if it is not there yet (once, reused by every
-run), then runs `train.py --model small --compile --pack` (bf16 autocast on CUDA) for
---steps optimizer steps on one GPU and, where there are more, on all local GPUs under
-torchrun. Flags after `--` go to both train.py runs as they are (`-- --num-workers 2`,
-`-- --table web --tokenizer hf:gpt2` with --db). Each run's log and metrics file stay
-in --workdir; its checkpoint is deleted once read. Meant to take well under 10 minutes
-on one H100/H200 node (compiling the model twice is most of it).
+First the correctness section: `pytest tests/test_cuda.py` (FlexAttention's loss and
+gradients against the SDPA mask and each document alone, under bf16, eager and compiled;
+fused AdamW; a compiled run that learns without recompiling; bit-exact resume with
+--deterministic). Its log and measured lines land in --workdir and the JSON; a failure
+fails the check (exit 1) after the throughput runs.
+
+Then it builds the demo corpus into --workdir if it is not there yet (once, reused by
+every run) and runs `train.py --model small --compile --pack` (bf16 autocast on CUDA)
+for --steps optimizer steps in each variant: plain, with --doc-mask (FlexAttention),
+and, on one GPU only, with --deterministic (what bit-exact resume costs). Each runs on
+one GPU and, where there are more, on all local GPUs under torchrun. Flags after `--`
+go to every train.py run as they are (`-- --num-workers 2`, `-- --table web --tokenizer
+hf:gpt2` with --db). Each run's log and metrics file stay in --workdir; its checkpoint
+is deleted once read. Meant to take about 10 minutes on one H100/H200 node (compiling
+the model once per run is most of it).
 
 Figures come from the runs' --metrics-file train records (one per --log-every steps,
 rank 0): the median over all records but the first two, whose intervals hold the
@@ -25,17 +33,23 @@ loader's start-up and torch.compile. Per run:
   Near 0% the loader keeps up; a few percent or more means the GPUs wait on data.
 - peak mem: torch.cuda.max_memory_allocated on rank 0 (the allocator's cache and
   fragmentation come on top).
+- compile s: how much longer the first log interval took than a steady one: torch.compile
+  and the loader's start-up, kept out of tok/s and MFU.
 - epochs: how many passes over the corpus the run made. The demo corpus (1.7M byte
   tokens) is an epoch every ~100 steps on one GPU, every ~13 on eight: each epoch
   restarts the loader, which data_wait counts. Pass --db with a bigger corpus to see
   the steady state.
 
---dry-run checks the plumbing anywhere, on the CPU: the tiny model, no --compile,
-6 steps of 4 x 64 tokens, on 1 rank and then 2 gloo ranks. Its figures mean nothing.
+--dry-run checks the plumbing anywhere, on the CPU: the correctness section (skipped
+there, with its reason), then the tiny model, no --compile, 6 steps of 4 x 64 tokens,
+each variant (--doc-mask through the SDPA mask) on 1 rank and the first two on 2 gloo
+ranks. Its figures mean nothing.
 
 Output: a table on stdout, progress on stderr, JSON at --out ({"machine", "settings",
-"results": [{"devices", "tokens_per_s", "tokens_per_s_per_device", "scaling", "mfu",
-"data_wait", "peak_mem_gib", "epochs", "steps", "final_loss", "wall_s", "log"}]}).
+"correctness": {"passed", "failed", "skipped", "measured", "log"}, "results":
+[{"variant", "devices", "tokens_per_s", "tokens_per_s_per_device", "scaling", "mfu",
+"data_wait", "peak_mem_gib", "compile_s", "epochs", "steps", "final_loss", "wall_s",
+"log"}]}).
 """
 
 from __future__ import annotations
@@ -44,6 +58,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -66,10 +81,40 @@ GPU = {"model": "small", "steps": 300, "batch_size": 16, "seq_len": 1024, "log_e
 DRY = {"model": "tiny", "steps": 6, "batch_size": 4, "seq_len": 64, "log_every": 1}
 DRY_RANKS = 2  # the dry run's "all local devices": gloo ranks on the CPU
 SKIP_RECORDS = 2  # the first log intervals hold loader start-up and torch.compile
+# name -> train.py flags; the last runs on one device only (its cost, not its scaling)
+VARIANTS = {"plain": [], "doc-mask": ["--doc-mask"], "deterministic": ["--deterministic"]}
+ONE_DEVICE_ONLY = {"deterministic"}
 
 
 class TrainFailed(Exception):
-    """A train.py run that exited non-zero; its log says why."""
+    """A train.py run (or the correctness section) that failed; its log says why."""
+
+
+def check_correctness(opts) -> dict:
+    """tests/test_cuda.py, run first: its counts, its `measured:` lines and its log."""
+    log = os.path.join(opts.workdir, "correctness.log")
+    print(f"correctness: pytest tests/test_cuda.py (log: {log})", file=sys.stderr, flush=True)
+    with open(log, "w") as f:
+        code = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-s", "-p", "no:cacheprovider",
+                               os.path.join(REPO, "tests", "test_cuda.py")], cwd=REPO, stdout=f,
+                              stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+    with open(log) as f:
+        text = f.read()
+    if "No module named pytest" in text:
+        raise UserError("the correctness section needs pytest: pip install -e '.[test]'")
+    summary = [line for line in text.splitlines() if re.search(r"\d+ (passed|failed|skipped|errors?)\b", line)]
+    counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?)\b", summary[-1])} \
+        if summary else {}
+    result = {"passed": counts.get("passed", 0), "failed": counts.get("failed", 0) + counts.get("error", 0)
+              + counts.get("errors", 0), "skipped": counts.get("skipped", 0), "exit_code": code,
+              "measured": re.findall(r"measured: (.*)", text),  # -q's progress dots may precede them
+              "log": log}
+    skipped = re.search(r"SKIPPED \[\d+\] \S+: (.+)", text)
+    print(f"correctness: {result['passed']} passed, {result['failed']} failed, {result['skipped']} skipped"
+          + (f" ({skipped.group(1)})" if skipped and not result["passed"] else ""), file=sys.stderr, flush=True)
+    if code not in (0, 5) and not result["failed"]:
+        result["failed"] = 1  # pytest itself failed (collection, usage): count it
+    return result
 
 
 def train_argv(opts, db: str, run_dir: str) -> list[str]:
@@ -82,9 +127,9 @@ def train_argv(opts, db: str, run_dir: str) -> list[str]:
             *(["--compile"] if not opts.dry_run else []), *opts.train_args]
 
 
-def run_train(opts, devices: int, db: str) -> dict:
+def run_train(opts, devices: int, db: str, variant: str) -> dict:
     """One train.py run on `devices` ranks; its figures, summarized from its metrics file."""
-    run_dir = os.path.join(opts.workdir, f"{devices}dev")
+    run_dir = os.path.join(opts.workdir, f"{devices}dev-{variant}")
     shutil.rmtree(run_dir, ignore_errors=True)
     os.makedirs(run_dir)
     launch = [sys.executable, TRAIN] if devices == 1 else [
@@ -93,19 +138,22 @@ def run_train(opts, devices: int, db: str) -> dict:
     if opts.dry_run:  # the CPU only, one thread per rank as torchrun sets it: both runs alike
         env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     log = os.path.join(run_dir, "train.log")
-    print(f"{devices} {opts.device}(s): {opts.steps} steps of {opts.model} (log: {log})", file=sys.stderr, flush=True)
+    print(f"{devices} {opts.device}(s), {variant}: {opts.steps} steps of {opts.model} (log: {log})",
+          file=sys.stderr, flush=True)
     started = time.perf_counter()
     with open(log, "w") as f:
-        code = subprocess.run(launch + train_argv(opts, db, run_dir), stdout=f, stderr=subprocess.STDOUT,
-                              env=env).returncode
+        code = subprocess.run(launch + train_argv(opts, db, run_dir) + VARIANTS[variant], stdout=f,
+                              stderr=subprocess.STDOUT, env=env).returncode
     wall = time.perf_counter() - started
     if code != 0:
         with open(log) as f:
             print("".join(f.readlines()[-20:]), end="", file=sys.stderr)
-        raise TrainFailed(f"train.py on {devices} {opts.device}(s) exited with {code}; its log: {log}")
+        raise TrainFailed(f"train.py on {devices} {opts.device}(s) ({variant}) exited with {code}; its log: {log}")
     shutil.rmtree(os.path.join(run_dir, "ckpt"))  # ~1 GB for small, and nothing resumes it
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        records = [r for r in map(json.loads, f) if r["kind"] == "train"]
+        lines = [json.loads(line) for line in f]
+    start = next(r for r in lines if r["kind"] == "start")
+    records = [r for r in lines if r["kind"] == "train"]
     steady = records[SKIP_RECORDS:]
 
     def median(key):
@@ -114,8 +162,11 @@ def run_train(opts, devices: int, db: str) -> dict:
 
     mems = [r["max_mem_gib"] for r in records if r["max_mem_gib"] is not None]
     tps = median("tokens_per_s")
-    return {"devices": devices, "tokens_per_s": tps, "tokens_per_s_per_device": tps / devices,
+    interval_tokens = opts.log_every * start["tokens_per_step"]  # every record's interval is --log-every steps
+    compile_s = interval_tokens / records[0]["tokens_per_s"] - interval_tokens / tps
+    return {"variant": variant, "devices": devices, "tokens_per_s": tps, "tokens_per_s_per_device": tps / devices,
             "mfu": median("mfu"), "data_wait": median("data_wait"), "peak_mem_gib": max(mems) if mems else None,
+            "compile_s": round(max(compile_s, 0.0), 1),
             "epochs": records[-1]["epoch"] + 1, "steps": records[-1]["step"], "records_used": len(steady),
             "final_loss": records[-1]["loss"], "wall_s": round(wall, 1), "log": log}
 
@@ -124,13 +175,13 @@ def print_table(results: list[dict], device: str) -> None:
     def pct(x):
         return "n/a" if x is None else f"{x:.1%}"
 
-    print(f"{device + 's':>7} {'tok/s':>12} {'tok/s/' + device:>12} {'scaling':>8} {'MFU':>7} "
-          f"{'data_wait':>10} {'peak mem':>10} {'epochs':>7} {'wall s':>7}")
+    print(f"{'variant':<14}{device + 's':>5} {'tok/s':>12} {'tok/s/' + device:>12} {'scaling':>8} {'MFU':>7} "
+          f"{'data_wait':>10} {'peak mem':>10} {'compile s':>10} {'epochs':>7} {'wall s':>7}")
     for r in results:
         mem = "n/a" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.1f} GiB"
-        print(f"{r['devices']:>7} {r['tokens_per_s']:>12,.0f} {r['tokens_per_s_per_device']:>12,.0f} "
+        print(f"{r['variant']:<14}{r['devices']:>5} {r['tokens_per_s']:>12,.0f} {r['tokens_per_s_per_device']:>12,.0f} "
               f"{r['scaling']:>8.2f} {pct(r['mfu']):>7} {pct(r['data_wait']):>10} {mem:>10} "
-              f"{r['epochs']:>7} {r['wall_s']:>7.0f}")
+              f"{r['compile_s']:>10.1f} {r['epochs']:>7} {r['wall_s']:>7.0f}")
 
 
 # ── Main ─────────────────────────────────────────────────────────────────────────────
@@ -185,6 +236,7 @@ def gpu_check(opts) -> None:
     started = time.perf_counter()
     counts = check_opts(opts)
     os.makedirs(opts.workdir, exist_ok=True)
+    correctness = check_correctness(opts)
     db = opts.db or os.path.join(opts.workdir, "data", "lancedb")
     if not opts.db:
         import prepare_data
@@ -193,9 +245,11 @@ def gpu_check(opts) -> None:
             print(f"building the demo corpus in {db}", file=sys.stderr, flush=True)
             with contextlib.redirect_stdout(sys.stderr):  # stdout is for the table
                 prepare_data.build_demo(db, DEFAULT_TABLE)
-    results = [run_train(opts, devices, db) for devices in counts]
+    results = [run_train(opts, devices, db, variant) for variant in VARIANTS for devices in counts
+               if devices == 1 or variant not in ONE_DEVICE_ONLY]
     for r in results:
-        r["scaling"] = r["tokens_per_s_per_device"] / results[0]["tokens_per_s_per_device"]
+        one = next(x for x in results if x["variant"] == r["variant"] and x["devices"] == 1)
+        r["scaling"] = r["tokens_per_s_per_device"] / one["tokens_per_s_per_device"]
         if r["epochs"] > 1:
             print(f"note: the {r['devices']}-{opts.device} run made {r['epochs']} passes over the corpus; each "
                   f"restarts the loader, which data_wait counts (--db a bigger corpus for the steady state)",
@@ -212,9 +266,12 @@ def gpu_check(opts) -> None:
                     measured=f"median of the train records after the first {SKIP_RECORDS}")
     print_table(results, opts.device)
 
-    write_json(opts.out, {"machine": machine, "settings": settings, "results": results,
-                          "total_s": round(time.perf_counter() - started, 1)})
+    write_json(opts.out, {"machine": machine, "settings": settings, "correctness": correctness,
+                          "results": results, "total_s": round(time.perf_counter() - started, 1)})
     print(f"\nwrote {opts.out} in {time.perf_counter() - started:.0f} s")
+    if correctness["failed"]:
+        raise TrainFailed(f"the correctness section failed ({correctness['failed']} of tests/test_cuda.py); "
+                          f"its log: {correctness['log']}")
 
 
 def main(argv=None) -> None:

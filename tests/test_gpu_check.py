@@ -14,27 +14,34 @@ def test_dry_run_measures_one_then_two_ranks(tmp_path):
     proc = run_script("bench/gpu_check.py", "--dry-run", "--out", "gpu.json", "--workdir", "work",  # from cwd
                       cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    header, *rows = [line for line in proc.stdout.splitlines() if line.strip()][:3]
-    assert header.split() == ["cpus", "tok/s", "tok/s/cpu", "scaling", "MFU", "data_wait", "peak", "mem",
-                              "epochs", "wall", "s"]
-    assert [row.split()[0] for row in rows] == ["1", "2"]
+    header, *rows = [line for line in proc.stdout.splitlines() if line.strip()][:6]
+    assert header.split() == ["variant", "cpus", "tok/s", "tok/s/cpu", "scaling", "MFU", "data_wait", "peak", "mem",
+                              "compile", "s", "epochs", "wall", "s"]
+    runs = [("plain", 1), ("plain", 2), ("doc-mask", 1), ("doc-mask", 2), ("deterministic", 1)]
+    assert [(row.split()[0], int(row.split()[1])) for row in rows] == runs
     assert "wrote gpu.json" in proc.stdout
-    assert "building the demo corpus" in proc.stderr  # in the workdir, once, before both runs
+    assert "building the demo corpus" in proc.stderr  # in the workdir, once, before every run
 
     data = json.loads(out.read_text())
     assert data["settings"]["dry_run"] is True and data["settings"]["steps"] == 6
     assert data["settings"]["db"] == str(tmp_path / "work" / "data" / "lancedb")
     assert {"torch", "cuda", "gpu", "gpu_count", "gpu_bf16_peak_tflops"} <= data["machine"].keys()
+    correctness = data["correctness"]  # tests/test_cuda.py ran first, and skips on the CPU with its reason
+    assert correctness["passed"] == correctness["failed"] == 0 and correctness["skipped"] >= 6, correctness
+    assert "correctness: 0 passed, 0 failed" in proc.stderr and "no CUDA device" in proc.stderr
     results = data["results"]
-    assert [r["devices"] for r in results] == [1, 2]
+    assert [(r["variant"], r["devices"]) for r in results] == runs
     for r in results:
         assert r["steps"] == 6 and r["records_used"] == 4, r
         assert r["tokens_per_s"] > 0 and r["tokens_per_s_per_device"] == pytest.approx(r["tokens_per_s"] / r["devices"])
-        assert 0 <= r["data_wait"] <= 1, r
+        assert 0 <= r["data_wait"] <= 1 and r["compile_s"] >= 0, r
         assert r["mfu"] is None and r["peak_mem_gib"] is None, r  # no device peak, no CUDA memory on the CPU
         assert r["epochs"] == 1 and r["wall_s"] > 0, r
-        assert not (tmp_path / "work" / f"{r['devices']}dev" / "ckpt").exists()  # deleted once read
-    assert results[0]["scaling"] == 1.0
+        assert not (tmp_path / "work" / f"{r['devices']}dev-{r['variant']}" / "ckpt").exists()  # deleted once read
+        if r["devices"] == 1:
+            assert r["scaling"] == 1.0
+    log = (tmp_path / "work" / "1dev-doc-mask" / "train.log").read_text()
+    assert "doc_mask=True" in log  # the doc-mask runs did run with the mask (the SDPA path on the CPU)
 
 
 def test_a_failing_train_run_fails_the_check_with_its_log_tail(tmp_path):
@@ -43,7 +50,7 @@ def test_a_failing_train_run_fails_the_check_with_its_log_tail(tmp_path):
                       "--workdir", tmp_path / "work", cwd=tmp_path, timeout=120)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     lines = proc.stderr.splitlines()
-    assert lines[-1].startswith("error: train.py on 1 cpu(s) exited with 2; its log: "), proc.stderr
+    assert lines[-1].startswith("error: train.py on 1 cpu(s) (plain) exited with 2; its log: "), proc.stderr
     assert any(line.startswith("error: ") and "nowhere" in line for line in lines[:-1])  # train.py's own line
     assert "Traceback" not in proc.stderr and not out.exists()
 
