@@ -508,17 +508,19 @@ def train_locked(args, rank: int, world_size: int, device: torch.device, num_spl
                        nonfinite=torch.zeros((), dtype=torch.int64, device=device), last_saved=-1)
     if ckpt is not None:
         restore(model, opt, state, ckpt, path, args, tok, rank)
-    fpt = flops_per_token(model)
-    if args.compile:
-        model = torch.compile(model, mode=args.compile_mode)
-    trainable = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) \
-        if world_size > 1 else model
+    # `model` stays the plain module: checkpoints save its keys (no _orig_mod.), and the
+    # checkpoint's probe and the evals run on it, since under --compile a no-grad or eval
+    # call would compile the whole model once more. Only the training step runs `trainable`.
+    compiled = torch.compile(model, mode=args.compile_mode) if args.compile else model
+    trainable = DDP(compiled, device_ids=[device.index] if device.type == "cuda" else None) \
+        if world_size > 1 else compiled
 
     horizon = total_steps(args, data)
-    announce(args, data, horizon, device)
+    peak, peak_note = peak_flops(device)
+    announce(args, data, horizon, peak_note)
     metrics = open_metrics(args, rank, world_size, model, resumed_step=state.opt_step, resumed=ckpt is not None)
-    run = Run(args, rank, world_size, device, tok, data, config, num_splits, horizon, fpt,
-              peak_flops(device)[0], metrics)
+    run = Run(args, rank, world_size, device, tok, data, config, num_splits, horizon, flops_per_token(model),
+              peak, metrics)
 
     stopped, last = train_loop(run, state, model, trainable, opt, loader_state, stop)
     if last is not None and state.opt_step != state.last_saved:  # the end of the run is always resumable
@@ -555,7 +557,7 @@ def total_steps(args, data: TrainingData) -> int:
     return args.lr_total_steps or args.steps or max(total_micro // args.grad_accum, 1)
 
 
-def announce(args, data: TrainingData, horizon: int, device: torch.device) -> None:
+def announce(args, data: TrainingData, horizon: int, peak_note: str) -> None:
     """The start-up lines: what an epoch holds, where checkpoints go, how MFU is measured."""
     plan = data.plan
     if args.pack:
@@ -567,7 +569,7 @@ def announce(args, data: TrainingData, horizon: int, device: torch.device) -> No
     print0(f"checkpoints: {args.ckpt_dir} every {args.ckpt_every} steps and at the end, {kept}")
     if args.blocks_mode in ("off", "lance"):
         print0(read_ahead_line(args))
-    print0(f"mfu: {peak_flops(device)[1]}")
+    print0(f"mfu: {peak_note}")
 
 
 def open_metrics(args, rank: int, world_size: int, model, resumed_step: int,
@@ -698,19 +700,17 @@ def save(run: Run, state: TrainState, model, opt, epoch: int, ds, batch) -> floa
     loss of the last batch is computed again on the weights about to be saved. Returns
     the seconds it took.
 
-    The probe runs on the uncompiled module (as `evaluate` does): under --compile a
-    no-grad call would compile the whole model once more.
+    `model` is the uncompiled module (see train_locked): no recompile for the probe.
     """
     started = time.perf_counter()
-    weights = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: keys without _orig_mod.
     with torch.no_grad():
-        probe, _ = batch_loss(weights, batch, run.device, run.tok, run.args.doc_mask)
+        probe, _ = batch_loss(model, batch, run.device, run.tok, run.args.doc_mask)
     state.nonfinite += ~torch.isfinite(probe)
     seen = checked_tokens(state, run.world_size)
     rank_payload = {"dataset": ds.state_dict() if ds is not None else None, "epoch": epoch,
                     "opt_step": state.opt_step}
     path = checkpoint.save_checkpoint(run.args.ckpt_dir, run.rank, run.world_size, rank_payload, lambda: {
-        "model": weights.state_dict(),
+        "model": model.state_dict(),
         "optimizer": opt.state_dict(),
         "tokens_seen": seen,
         "world_size": run.world_size,
@@ -727,7 +727,7 @@ def validate(run: Run, state: TrainState, model) -> float | None:
     """The val loss at this step, evaluated once (and recorded) however often it is asked.
     On the uncompiled module: eval mode and no grad would recompile a compiled one."""
     if state.opt_step not in state.val_losses:
-        state.val_losses[state.opt_step] = evaluate(getattr(model, "_orig_mod", model), run.args,
+        state.val_losses[state.opt_step] = evaluate(model, run.args,
                                                     run.data.at(state.epoch).table, run.rank, run.world_size,
                                                     run.device, run.tok)
         seen = checked_tokens(state, run.world_size)
