@@ -47,6 +47,7 @@ from data import (DEFAULT_LOADER_BUFFER_MB, TrainingData, WaitClock, check_valid
                   data_filter, format_loader_stats, loader_stats, make_dataset, open_training_data,
                   read_ahead_line, slowest_share, train_batches)
 from distributed import print0, setup_distributed
+from metrics import MetricsLog, RunRecords, TensorBoardLog, summary_writer_class
 from model import MODEL_SIZES, make_model
 
 # Dense bf16 tensor-core peak per device, the dtype training runs in on CUDA. Datasheets
@@ -221,6 +222,10 @@ def add_observability_flags(g) -> None:
                    help="rank 0 writes JSON Lines here: a start record, one train record per "
                    "--log-every step, one eval record per validation (plot_metrics.py draws them); "
                    "a fresh run starts the file anew, --resume appends")
+    g.add_argument("--tensorboard", default="", metavar="DIR",
+                   help="rank 0 writes the metrics file's scalars to DIR as TensorBoard event files, "
+                   "keyed by optimizer step (view with `tensorboard --logdir DIR`); a resumed run "
+                   "continues the curves, a fresh run into the same DIR replaces them")
     g.add_argument("--trace-samples", default="", metavar="DIR",
                    help="append one JSON line per optimizer step to DIR/rank{R}.jsonl with a hash of "
                    "every sample the rank trained on (to check sample order across topologies)")
@@ -267,6 +272,8 @@ def check_args(args, world_size: int) -> int:
                         f"shared by every node such as NFS or Lustre), not to object storage")
     if args.data_version not in ("", "latest") and not args.data_version.isdigit():
         raise UserError(f"--data-version must be a version number or 'latest' (got {args.data_version!r})")
+    if args.tensorboard:
+        summary_writer_class()  # the optional package imports, or the run is refused here
     global_batch = args.batch_size * world_size
     num_splits = args.num_splits or global_batch
     if num_splits % world_size:
@@ -406,29 +413,6 @@ class SampleTrace:
         self.pending = []
 
 
-class MetricsLog:
-    """--metrics-file: one JSON object per line, flushed as written, so a crash leaves
-    whole records (and at worst one torn last line, which plot_metrics.py skips).
-
-    The file is opened, and the run's start record written, with the first record of
-    a trained step: a run refused at its first batch leaves no file behind.
-    """
-
-    def __init__(self, path: str, append: bool, **start):
-        self.path, self.append, self.start = path, append, start
-        self.file = None
-
-    def write(self, kind: str, **fields) -> None:
-        if self.file is None:
-            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            self.file = open(self.path, "a" if self.append else "w", buffering=1)
-            self._line("start", self.start)
-        self._line(kind, fields)
-
-    def _line(self, kind: str, fields: dict) -> None:
-        self.file.write(json.dumps({"kind": kind, "time": round(time.time(), 3), **fields}) + "\n")
-
-
 def log_line(tag: str, epoch: int, step: int, total_steps: int, loss: float, tokens_per_s: float,
              mfu: float | None, data_wait: float, mem_gib: float | None, stats: dict | None) -> str:
     """The reference's fields first, in its order (epoch, step, loss, tok/s, mfu, q, fetch/tx),
@@ -456,7 +440,7 @@ class Run:
     total_steps: int  # the LR schedule's horizon and the log line's step target
     flops_per_token: float
     peak_flops: float | None  # the device's bf16 peak: None where unknown, so no MFU
-    metrics: MetricsLog | None  # rank 0 only
+    metrics: RunRecords | None  # rank 0 only: --metrics-file and --tensorboard
 
     @property
     def tag(self) -> str:
@@ -521,18 +505,21 @@ def train_locked(args, rank: int, world_size: int, device: torch.device, num_spl
     metrics = open_metrics(args, rank, world_size, model, resumed_step=state.opt_step, resumed=ckpt is not None)
     run = Run(args, rank, world_size, device, tok, data, config, num_splits, horizon, flops_per_token(model),
               peak, metrics)
-
-    stopped, last = train_loop(run, state, model, trainable, opt, loader_state, stop)
-    if last is not None and state.opt_step != state.last_saved:  # the end of the run is always resumable
-        save(run, state, model, opt, *last)
-    if stopped:
-        why = (stop and stop.requested) or "a stop signal on another rank"
-        print0(f"{run.tag}stopped by {why} at step {state.opt_step}: saved "
-               f"{checkpoint.checkpoint_path(args.ckpt_dir, state.opt_step)}; continue with --resume auto")
-        return
-    val = validate(run, state, model)
-    seen = checked_tokens(state, world_size)
-    print0(f"{run.tag}final: opt_step={state.opt_step} tokens_seen={seen:,} val_loss={format_val(val, args)}")
+    try:
+        stopped, last = train_loop(run, state, model, trainable, opt, loader_state, stop)
+        if last is not None and state.opt_step != state.last_saved:  # the end of the run is always resumable
+            save(run, state, model, opt, *last)
+        if stopped:
+            why = (stop and stop.requested) or "a stop signal on another rank"
+            print0(f"{run.tag}stopped by {why} at step {state.opt_step}: saved "
+                   f"{checkpoint.checkpoint_path(args.ckpt_dir, state.opt_step)}; continue with --resume auto")
+            return
+        val = validate(run, state, model)
+        seen = checked_tokens(state, world_size)
+        print0(f"{run.tag}final: opt_step={state.opt_step} tokens_seen={seen:,} val_loss={format_val(val, args)}")
+    finally:  # rank 0's records: every one is flushed already; this ends the TensorBoard writer's thread
+        if metrics:
+            metrics.close()
 
 
 def restore(model, opt, state: TrainState, ckpt: dict, path: str, args, tok, rank: int) -> None:
@@ -573,16 +560,23 @@ def announce(args, data: TrainingData, horizon: int, peak_note: str) -> None:
 
 
 def open_metrics(args, rank: int, world_size: int, model, resumed_step: int,
-                 resumed: bool) -> MetricsLog | None:
-    """Rank 0's --metrics-file, whose start record says what one step is."""
-    if not args.metrics_file or rank != 0:
+                 resumed: bool) -> RunRecords | None:
+    """Rank 0's --metrics-file, whose start record says what one step is, and --tensorboard;
+    None where neither is asked for."""
+    if rank != 0:
         return None
-    print0(f"metrics: {args.metrics_file}")
-    step_batch = args.batch_size * world_size * args.grad_accum
-    return MetricsLog(args.metrics_file, append=resumed, model=args.model, params=model.num_params(),
-                      world_size=world_size, global_batch=step_batch, seq_len=args.seq_len,
-                      tokens_per_step=step_batch * args.seq_len, blocks_mode=args.blocks_mode,
-                      pack=args.pack, resumed_from_step=resumed_step)
+    sinks = []
+    if args.metrics_file:
+        print0(f"metrics: {args.metrics_file}")
+        step_batch = args.batch_size * world_size * args.grad_accum
+        sinks.append(MetricsLog(args.metrics_file, append=resumed, model=args.model, params=model.num_params(),
+                                world_size=world_size, global_batch=step_batch, seq_len=args.seq_len,
+                                tokens_per_step=step_batch * args.seq_len, blocks_mode=args.blocks_mode,
+                                pack=args.pack, resumed_from_step=resumed_step))
+    if args.tensorboard:
+        print0(f"tensorboard: {args.tensorboard}")
+        sinks.append(TensorBoardLog(args.tensorboard, resumed_step))
+    return RunRecords(sinks) if sinks else None
 
 
 def train_loop(run: Run, state: TrainState, model, trainable, opt, loader_state,

@@ -1,0 +1,101 @@
+"""What a run records for other tools: the --metrics-file JSON Lines (plot_metrics.py
+draws them) and the --tensorboard event files. Rank 0 writes both, the same records."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from common import UserError
+
+# The scalars of each record kind that become TensorBoard curves, and their tags. A value
+# that is None (MFU with no known peak, memory off CUDA, an empty validation split) is left out.
+TENSORBOARD_TAGS = {
+    "train": {"loss": "train/loss", "lr": "train/lr", "tokens_per_s": "train/tokens_per_s",
+              "mfu": "train/mfu", "data_wait": "train/data_wait", "tokens_seen": "train/tokens_seen",
+              "max_mem_gib": "train/max_mem_gib", "epoch": "train/epoch"},
+    "eval": {"val_loss": "val/loss"},
+}
+
+
+class MetricsLog:
+    """--metrics-file: one JSON object per line, flushed as written, so a crash leaves
+    whole records (and at worst one torn last line, which plot_metrics.py skips).
+
+    The file is opened, and the run's start record written, with the first record of
+    a trained step: a run refused at its first batch leaves no file behind.
+    """
+
+    def __init__(self, path: str, append: bool, **start):
+        self.path, self.append, self.start = path, append, start
+        self.file = None
+
+    def write(self, kind: str, **fields) -> None:
+        if self.file is None:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            self.file = open(self.path, "a" if self.append else "w", buffering=1)
+            self._line("start", self.start)
+        self._line(kind, fields)
+
+    def _line(self, kind: str, fields: dict) -> None:
+        self.file.write(json.dumps({"kind": kind, "time": round(time.time(), 3), **fields}) + "\n")
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def summary_writer_class():
+    """torch's SummaryWriter, imported only when --tensorboard asks for it: the package
+    is optional, and its absence is a one-line error before the run starts."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        why = str(e).split("\n")[0]
+        raise UserError(f"--tensorboard needs the tensorboard package ({why}): pip install tensorboard") from None
+    return SummaryWriter
+
+
+class TensorBoardLog:
+    """--tensorboard: the metrics records' scalars as curves keyed by optimizer step,
+    flushed as written, so a killed run loses none of them.
+
+    The writer starts a new event file in the directory with the first record, so a
+    run refused before its first step leaves none. Its purge step, one past the step
+    the run resumed from (1 for a fresh run), tells TensorBoard to drop what older
+    files hold from that step on: the steps a lost attempt trained past its last
+    checkpoint are drawn once, by the attempt that trains them again, and a fresh run
+    into the same directory replaces the old curves (as a fresh --metrics-file does).
+    """
+
+    def __init__(self, directory: str, resumed_step: int):
+        self.directory, self.purge_step = directory, resumed_step + 1
+        self.writer = None
+
+    def write(self, kind: str, **fields) -> None:
+        if self.writer is None:
+            self.writer = summary_writer_class()(self.directory, purge_step=self.purge_step)
+        for name, tag in TENSORBOARD_TAGS[kind].items():
+            if fields.get(name) is not None:
+                self.writer.add_scalar(tag, fields[name], global_step=fields["step"])
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+class RunRecords:
+    """Every record sink a run has configured: one write reaches them all."""
+
+    def __init__(self, sinks: list):
+        self.sinks = sinks
+
+    def write(self, kind: str, **fields) -> None:
+        for sink in self.sinks:
+            sink.write(kind, **fields)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
