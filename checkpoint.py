@@ -32,8 +32,10 @@ from distributed import barrier, broadcast_from_main
 CKPT_NAME = re.compile(r"^step_(\d{8})\.pt$")
 
 
-# What torch's weights_only unpickler says, within its long multi-line refusal.
-UNSAFE_GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)")
+# What torch's weights_only unpickler says, within its long multi-line refusal: "Unsupported
+# global: GLOBAL x.y", or for a module it blocks outright (os, subprocess...) "Trying to
+# load unsupported GLOBAL posix.system whose module posix is blocked."
+UNSAFE_GLOBAL = re.compile(r"[Uu]nsupported (?:global: )?GLOBAL (\S+)")
 
 
 WEIGHTS_ONLY_ERROR = re.compile(r"WeightsUnpickler error: \s*(\S[^\n]*)")
