@@ -109,13 +109,9 @@ def atomic_write(path: str, write: Callable[[str], None]) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         write(tmp)
-        _fsync(tmp)  # the data is on disk before the name points at it
+        fsync_path(tmp)  # the data is on disk before the name points at it
         os.replace(tmp, path)
-        try:
-            _fsync(os.path.dirname(path) or ".")  # and the rename itself
-        except OSError as e:  # EINVAL, ENOTSUP: a filesystem that cannot sync a directory
-            if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
-                raise
+        fsync_dir(os.path.dirname(path) or ".")  # and the rename itself
     except OSError as e:
         raise UserError(f"cannot write {path!r}: {e.strerror or e}") from None
     finally:
@@ -123,7 +119,7 @@ def atomic_write(path: str, write: Callable[[str], None]) -> None:
             os.remove(tmp)
 
 
-def _fsync(path: str) -> None:
+def fsync_path(path: str) -> None:
     """Flush a file's (or a directory's entries') data to disk; `write` callables take a
     path, so the file is reopened rather than synced through their handle."""
     fd = os.open(path, os.O_RDONLY)
@@ -131,6 +127,16 @@ def _fsync(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    """Flush a directory's entries (a rename into it); a filesystem that cannot sync a
+    directory (EINVAL, ENOTSUP) is let be."""
+    try:
+        fsync_path(path)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
 
 
 def check_out_dir(flag: str, path: str) -> None:
@@ -257,7 +263,9 @@ class FastEncoder:
         return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
 
 
-def _hf_tokenizer(name: str) -> Tokenizer:
+def load_hf_tokenizer(name: str):
+    """A Hugging Face tokenizer from a local directory or the local cache, never the network
+    (`hf:<name>` without the prefix); what it cannot find is a one-line UserError."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the network
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we fork/spawn workers
     from transformers import AutoTokenizer
@@ -267,7 +275,7 @@ def _hf_tokenizer(name: str) -> Tokenizer:
     if name.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(name)):
         raise UserError(f"tokenizer directory {name!r} (from 'hf:{name}') does not exist")
     try:
-        tok = AutoTokenizer.from_pretrained(os.path.expanduser(name), local_files_only=True)
+        return AutoTokenizer.from_pretrained(os.path.expanduser(name), local_files_only=True)
     except (OSError, ValueError) as e:
         if os.path.isdir(os.path.expanduser(name)):
             raise UserError(f"'hf:{name}' is not a loadable tokenizer directory: "
@@ -277,6 +285,10 @@ def _hf_tokenizer(name: str) -> Tokenizer:
             f"Face cache, and nothing is downloaded: run `AutoTokenizer.from_pretrained("
             f"{name!r}).save_pretrained(DIR)` where there is network, then pass hf:DIR"
         ) from None
+
+
+def _hf_tokenizer(name: str) -> Tokenizer:
+    tok = load_hf_tokenizer(name)
     tok.model_max_length = 1 << 62  # documents are longer than any context; no warnings
     n_real = len(tok)  # base vocabulary plus added tokens
     special = set(tok.all_special_ids)
