@@ -53,3 +53,22 @@ def print0(*args, **kwargs) -> None:
     """print, flushed, on rank 0 only: every rank computes the same run-level lines."""
     if int(os.environ.get("RANK", 0)) == 0:
         print(*args, **kwargs, flush=True)
+
+
+def weights_digest(tensors) -> torch.Tensor:
+    """(n, 2) float64: each tensor's sum and L2 norm. DDP keeps every rank's weights bit for
+    bit equal (the same initial broadcast, the same all-reduced gradients, the same
+    optimizer), so the digests are equal too; a rank that missed an all-reduce is not."""
+    return torch.stack([torch.stack([t.detach().sum(dtype=torch.float64),
+                                     torch.linalg.vector_norm(t.detach(), dtype=torch.float64)])
+                        for t in tensors])
+
+
+def replica_digests(model, world_size: int) -> torch.Tensor:
+    """(world_size, n, 2): every rank's `weights_digest` of `model`, on every rank."""
+    mine = weights_digest(model.state_dict().values())
+    if world_size == 1:
+        return mine[None]
+    gathered = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(gathered, mine)
+    return torch.stack(gathered)

@@ -46,7 +46,7 @@ from common import DEFAULT_DB, DEFAULT_TABLE, VAL_FILTER, Tokenizer, UserError, 
 from data import (DEFAULT_LOADER_BUFFER_MB, TrainingData, WaitClock, check_validation_data, corpus_source,
                   data_filter, format_loader_stats, loader_stats, make_dataset, open_training_data,
                   read_ahead_line, slowest_share, train_batches)
-from distributed import print0, setup_distributed
+from distributed import print0, replica_digests, setup_distributed
 from metrics import MetricsLog, RunRecords, TensorBoardLog, summary_writer_class
 from model import MODEL_SIZES, make_model
 
@@ -682,17 +682,32 @@ def checked_tokens(state: TrainState, world_size: int) -> int:
     if world_size > 1:
         dist.all_reduce(totals)
     if totals[1]:
-        good = f"the newest checkpoint, step {state.last_saved}, is the last good one" \
-            if state.last_saved > 0 else "no checkpoint was written"
         raise UserError(f"the loss became NaN or inf by step {state.opt_step}; nothing was saved after "
-                        f"it and {good}: lower --lr or check the data, then --resume")
+                        f"it and {last_good(state)}: lower --lr or check the data, then --resume")
     return int(totals[0])
 
 
+def checked_replicas(model, state: TrainState, world_size: int) -> list:
+    """All ranks: every rank's weights digest (distributed.weights_digest), after refusing to
+    save if any rank's weights differ from rank 0's: DDP keeps them bit for bit equal."""
+    digests = replica_digests(model, world_size)
+    apart = [r for r in range(1, world_size) if not torch.equal(digests[r], digests[0])]
+    if apart:
+        raise UserError(f"rank {apart[0]}'s weights differ from rank 0's at step {state.opt_step}: the ranks "
+                        f"no longer train one model (a gradient all-reduce was skipped); nothing was saved "
+                        f"after it and {last_good(state)}")
+    return digests.cpu().tolist()
+
+
+def last_good(state: TrainState) -> str:
+    return f"the newest checkpoint, step {state.last_saved}, is the last good one" \
+        if state.last_saved > 0 else "no checkpoint was written"
+
+
 def save(run: Run, state: TrainState, model, opt, epoch: int, ds, batch) -> float:
-    """Checkpoint this step on every rank, once the weights are known to be finite: the
-    loss of the last batch is computed again on the weights about to be saved. Returns
-    the seconds it took.
+    """Checkpoint this step on every rank, once the weights are known to be finite (the
+    loss of the last batch is computed again on the weights about to be saved) and the
+    same on every rank (`checked_replicas`). Returns the seconds it took.
 
     `model` is the uncompiled module (see train_locked): no recompile for the probe.
     """
@@ -701,6 +716,7 @@ def save(run: Run, state: TrainState, model, opt, epoch: int, ds, batch) -> floa
         probe, _ = batch_loss(model, batch, run.device, run.tok, run.args.doc_mask)
     state.nonfinite += ~torch.isfinite(probe)
     seen = checked_tokens(state, run.world_size)
+    digests = checked_replicas(model, state, run.world_size)
     rank_payload = {"dataset": ds.state_dict() if ds is not None else None, "epoch": epoch,
                     "opt_step": state.opt_step}
     path = checkpoint.save_checkpoint(run.args.ckpt_dir, run.rank, run.world_size, rank_payload, lambda: {
@@ -708,6 +724,7 @@ def save(run: Run, state: TrainState, model, opt, epoch: int, ds, batch) -> floa
         "optimizer": opt.state_dict(),
         "tokens_seen": seen,
         "world_size": run.world_size,
+        "replica_digests": digests,  # every rank's weights, summed: equal, or nothing is saved
         "config": run.config,
         "data_version": run.data.at(epoch).version,
     }, run.args.keep_last)

@@ -99,6 +99,19 @@ def read_trace(trace_dir):
     return traces
 
 
+def state_equal(a, b):
+    """Bit for bit: tensors of the same dtype and values, containers of equal items."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(state_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(state_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 # ── Processes: train.py under torchrun, and killing whole process trees ──────────────
 
 def train_command(nproc, *args):

@@ -13,7 +13,7 @@ import torch
 import data
 import train
 from common import LEGACY_SCHEMA, TRAIN_FILTER, load_tokenizer
-from conftest import assert_user_error, run_script
+from conftest import assert_user_error, run_script, state_equal
 from model import make_model
 
 LOSS = re.compile(r"^epoch \d+ step \d+/\d+ \| loss ([0-9.]+) \|", re.M)
@@ -137,16 +137,6 @@ def test_pad_positions_contribute_nothing_to_the_loss(tmp_path):
     loss_changed, _ = train.batch_loss(model, {"input_ids": changed, "doc_ids": batch["doc_ids"]},
                                        torch.device("cpu"), dataclasses.replace(tok, pad_token_id=7))
     torch.testing.assert_close(loss_changed, loss, rtol=0, atol=0)
-
-
-def state_equal(a, b):
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(state_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(state_equal(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 @pytest.mark.parametrize("path", ["row", "pack"])
