@@ -310,3 +310,27 @@ def make_bucket(name):
 
     boto3.client("s3").create_bucket(Bucket=name)
     return name
+
+
+# ── A small filesystem that fills up: tmpfs mounts for the disk-full tests ─────────
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """`small_fs(name, size_bytes)` -> a directory on a tmpfs of that size, mounted under
+    tmp_path and unmounted after the test; skipped with the reason where this process may
+    not mount (CI runs as root and may)."""
+    mounted = []
+
+    def mount(name: str, size_bytes: int) -> Path:
+        where = tmp_path / name
+        where.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(where)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({(proc.stderr or proc.stdout).strip() or proc.returncode})")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in reversed(mounted):
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
