@@ -57,6 +57,16 @@ class UserError(Exception):
     """A mistake the user can fix; printed as one line, never as a traceback."""
 
 
+class StorageFault(UserError):
+    """The storage a run depends on failed under it: a full disk or quota, a table that
+    cannot be read, an object store that stays unreachable, a --ckpt-dir that became
+    unwritable. One line like a UserError, but exit code 3 (STORAGE_FAULT_EXIT), so a
+    scheduler can tell "fix the storage, then --resume auto" from a mistake in the command."""
+
+
+STORAGE_FAULT_EXIT = 3
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's usage mistakes as UserError, so they too end in one `error:` line
     rather than argparse's usage block."""

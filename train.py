@@ -41,8 +41,8 @@ import checkpoint
 import preemption
 import storage
 from blocks_loaders import MODE_FORMAT
-from common import DEFAULT_DB, DEFAULT_TABLE, VAL_FILTER, Tokenizer, UserError, block_hashes, is_remote, \
-    load_tokenizer
+from common import (DEFAULT_DB, DEFAULT_TABLE, STORAGE_FAULT_EXIT, VAL_FILTER, StorageFault, Tokenizer, UserError,
+                    block_hashes, is_remote, load_tokenizer)
 from data import (DEFAULT_LOADER_BUFFER_MB, TrainingData, WaitClock, check_validation_data, corpus_source,
                   data_filter, format_loader_stats, loader_stats, make_dataset, open_training_data,
                   read_ahead_line, slowest_share, train_batches)
@@ -777,7 +777,8 @@ def main(argv=None) -> None:
 
 def run(args, stop: preemption.StopSignals) -> int:
     """Train on this rank; returns the exit code, each way a run can end told in one line:
-    0 done or stopped by a signal (checkpointed), 1 a peer lost, 2 a user error, 130 a second Ctrl-C."""
+    0 done or stopped by a signal (checkpointed), 1 a peer lost, 2 a user error, 3 a storage
+    fault (common.StorageFault), 130 a second Ctrl-C."""
     rank, world_size, device = setup_distributed(args.dist_timeout)
     torch.set_float32_matmul_precision("high")
     if args.deterministic:
@@ -786,6 +787,9 @@ def run(args, stop: preemption.StopSignals) -> int:
     try:
         storage.configure(args.storage_option)
         train(args, rank, world_size, device, stop)
+    except StorageFault as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = STORAGE_FAULT_EXIT
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         code = 2
