@@ -78,7 +78,10 @@ def test_every_blocks_mode_trains_on_the_built_blocks(blocks_runs, blocks_dir, m
 def test_lance_blocks_steps_are_the_same_on_any_world_size(blocks_runs):
     """The lance blocks table goes through lancedb's StreamingDataset: each global step
     trains on the same blocks on one rank as on two."""
-    tmp, _ = blocks_runs
+    tmp, procs = blocks_runs
+    for nproc in (1, 2):  # two failed runs would compare two empty traces
+        proc = procs["lance", nproc]
+        assert proc.returncode == 0, proc.stdout + proc.stderr
 
     def per_step(name):
         steps = collections.defaultdict(collections.Counter)
@@ -87,7 +90,10 @@ def test_lance_blocks_steps_are_the_same_on_any_world_size(blocks_runs):
                 steps[r["step"]].update(r["samples"])
         return dict(steps)
 
-    assert per_step("trace-lance-1") == per_step("trace-lance-2")
+    one_rank = per_step("trace-lance-1")
+    assert sorted(one_rank) == list(range(1, STEPS + 1))
+    assert all(sum(blocks.values()) == 8 for blocks in one_rank.values())
+    assert per_step("trace-lance-2") == one_rank
 
 
 def test_lance_blocks_resume_exactly(blocks_dir, tmp_path, capsys):
@@ -96,11 +102,12 @@ def test_lance_blocks_resume_exactly(blocks_dir, tmp_path, capsys):
         train.main([*map(str, blocks_flags(blocks_dir, "lance", 1, tmp_path, name)), *map(str, extra)])
         return capsys.readouterr().out
 
-    run("straight")
+    assert f"[lance] final: opt_step={STEPS} " in run("straight")
     run("cut", "--steps", STEPS // 2)
     out = run("cut", "--resume", "auto")
-    assert f"opt step {STEPS // 2})" in out
+    assert f"opt step {STEPS // 2})" in out and f"[lance] final: opt_step={STEPS} " in out
     straight, cut = read_trace(tmp_path / "trace-straight")[0], read_trace(tmp_path / "trace-cut")[0]
+    assert [r["step"] for r in straight] == [r["step"] for r in cut] == list(range(1, STEPS + 1))
     assert [r["samples"] for r in cut] == [r["samples"] for r in straight]
 
 

@@ -139,6 +139,7 @@ def test_the_samples_of_lancedb_itself_for_any_budget(corpus, blocks_table, path
 
     first, state = sample_hashes(plain(), 3 * SPLITS * READ_BATCH + 3 * SPLITS)
     rest, _ = sample_hashes(plain(), 2 * SPLITS * READ_BATCH, state)
+    assert len(first) == 3 * SPLITS * READ_BATCH + 3 * SPLITS and len(rest) == 2 * SPLITS * READ_BATCH
     for mb, ds in bounded.items():
         assert type(ds) is bounded_streaming.BoundedStreamingDataset
         got_first, got_state = sample_hashes(ds, len(first))
@@ -229,4 +230,5 @@ def test_train_falls_back_to_lancedb_unbounded_with_a_warning(demo_db, tmp_path)
     assert "upstream issue #3694" in runs["fallback"]
     assert "loader: read-ahead at most 256 MiB per rank" in runs["bounded"]
     traces = [(tmp_path / f"trace-{name}" / "rank0.jsonl").read_text() for name in ("fallback", "bounded")]
+    assert traces[0].count("\n") == 3  # a record per step
     assert traces[0] == traces[1]

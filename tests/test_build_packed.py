@@ -105,7 +105,7 @@ def test_same_seed_same_blocks_other_seed_other_order(demo_db, tmp_path, blocks_
     first = read_manifest(str(blocks_dir / "lance"))
     assert again["content_hash"] == first["content_hash"]
     assert other["content_hash"] != first["content_hash"]
-    assert other["num_blocks"] == first["num_blocks"]
+    assert other["num_blocks"] == first["num_blocks"] > 0
 
 
 def test_existing_output_is_refused_and_replaced_only_with_overwrite(demo_db, tmp_path):

@@ -102,6 +102,7 @@ def test_data_version_latest_moves_to_the_newest_version_at_the_next_epoch(tmp_p
     straight, moved = by_step(tmp_path / "t-straight"), by_step(tmp_path / "t-moved")
     epoch = {e: [s for s, (ep, _) in steps.items() if ep == e]
              for steps in (straight,) for e in (0, 1)}
+    assert epoch[0] and epoch[1], straight  # the straight run traced both epochs
     assert {s: moved[s] for s in epoch[0]} == {s: straight[s] for s in epoch[0]}
     moved_epoch1 = [samples for ep, samples in moved.values() if ep == 1]
     assert len(moved_epoch1) > len(epoch[1])  # 24 more documents: more steps
@@ -119,7 +120,9 @@ def test_a_fresh_run_can_pin_an_older_version(tmp_path, run):
     run(db, tmp_path / "before", "--steps", 4, "--trace-samples", tmp_path / "t-before")
     append(tmp_path, db)
     run(db, tmp_path / "pinned", "--steps", 4, "--data-version", 1, "--trace-samples", tmp_path / "t-pinned")
-    assert by_step(tmp_path / "t-pinned") == by_step(tmp_path / "t-before")
+    before = by_step(tmp_path / "t-before")
+    assert sorted(before) == [1, 2, 3, 4]
+    assert by_step(tmp_path / "t-pinned") == before
 
 
 def test_a_version_that_is_gone_or_remade_is_refused_in_one_line(tmp_path, run):

@@ -38,8 +38,11 @@ def test_dry_run_measures_one_then_two_ranks(tmp_path):
         assert r["mfu"] is None and r["peak_mem_gib"] is None, r  # no device peak, no CUDA memory on the CPU
         assert r["epochs"] == 1 and r["wall_s"] > 0, r
         assert not (tmp_path / "work" / f"{r['devices']}dev-{r['variant']}" / "ckpt").exists()  # deleted once read
-        if r["devices"] == 1:
-            assert r["scaling"] == 1.0
+    # scaling: a run's throughput per device over its own variant's 1-device run's, as printed
+    one_device = {r["variant"]: r["tokens_per_s_per_device"] for r in results if r["devices"] == 1}
+    for r, row in zip(results, rows):
+        assert r["scaling"] == pytest.approx(r["tokens_per_s_per_device"] / one_device[r["variant"]]), r
+        assert row.split()[4] == f"{r['scaling']:.2f}", row
     log = (tmp_path / "work" / "1dev-doc-mask" / "train.log").read_text()
     assert "doc_mask=True" in log  # the doc-mask runs did run with the mask (the SDPA path on the CPU)
 

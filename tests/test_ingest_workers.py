@@ -97,6 +97,7 @@ def test_an_hf_tokenizer_writes_the_same_ids_from_the_command_line_and_in_proces
     assert proc.returncode == 0 and "2 workers" in proc.stdout, proc.stdout + proc.stderr
     ingest([str(path)], str(tmp_path / "here"), "corpus", bpe_spec, batch_size=7, workers=1)
     cli, here = read_table(tmp_path / "cli"), read_table(tmp_path / "here")
+    assert here.num_rows == 60  # not two empty tables
     assert cli.equals(here) and cli.schema.field("input_ids").metadata == \
         here.schema.field("input_ids").metadata
     sep = prepare_data.load_tokenizer(bpe_spec).eos_token_id  # [SEP] is this tokenizer's EOS

@@ -262,7 +262,9 @@ def test_resume_may_trade_batch_size_for_grad_accum(demo_db, tmp_path, capsys):
         lines = (tmp_path / f"trace-{name}" / "rank0.jsonl").read_text().splitlines()
         return {x["step"]: sorted(x["samples"]) for x in map(json.loads, lines)}
 
-    assert per_step("traded") == per_step("straight")
+    straight = per_step("straight")
+    assert sorted(straight) == [1, 2, 3, 4] and all(len(samples) == 8 for samples in straight.values())
+    assert per_step("traded") == straight
 
 
 @pytest.mark.parametrize("name,peak", [
