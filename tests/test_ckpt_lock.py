@@ -227,6 +227,26 @@ def test_filesystem_errors_are_one_line(tmp_path):
             f"cannot lock --ckpt-dir {tmp_path / 'file' / 'ckpt'}: Not a directory")
 
 
+def too_deep_for_its_lock_file(base):
+    """A path under `base` short enough to make, but too long (PATH_MAX) for the lock's
+    files in it: "/train.lock.guard" takes it past the limit."""
+    target, path = os.pathconf(base, "PC_PATH_MAX") - 8, str(base)
+    while target - len(path) > 251:
+        path = os.path.join(path, "d" * 250)
+    return os.path.join(path, "d" * (target - len(path) - 1)) if target - len(path) > 1 else path
+
+
+def test_a_ckpt_dir_no_user_can_lock_is_one_line_and_leaves_nothing(tmp_path):
+    """The read-only directory below, in ways that stop root as well: a directory /proc
+    will not make, and directories made before their lock file proves impossible (which
+    acquire removes again)."""
+    if os.path.isdir("/proc/self"):
+        refused(CheckpointDirLock("/proc/self/ckpt"), "cannot lock --ckpt-dir /proc/self/ckpt: ")
+    deep = too_deep_for_its_lock_file(tmp_path / "new")
+    refused(CheckpointDirLock(deep), f"cannot lock --ckpt-dir {deep}: File name too long")
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
 def test_read_only_directory(tmp_path):
     tmp_path.chmod(0o555)

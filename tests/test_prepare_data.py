@@ -358,7 +358,40 @@ def test_a_failed_write_removes_the_table_directory_it_created(tmp_path, capsys)
     assert table_state(db, "other")[1] == len(texts)
 
 
+def path_too_long_to_open(top):
+    """Nested directories under `top` whose deepest path is longer than PATH_MAX: made one
+    level at a time relative to the last, so that even root cannot list the deepest one."""
+    fd, depth = os.open(top, os.O_RDONLY), 0
+    try:
+        while len(str(top)) + depth * 251 < os.pathconf(top, "PC_PATH_MAX"):
+            os.mkdir("d" * 250, dir_fd=fd)
+            deeper = os.open("d" * 250, os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd, depth = deeper, depth + 1
+    finally:
+        os.close(fd)
+    return os.path.join(top, *["d" * 250] * depth)
+
+
+def test_an_input_walk_that_meets_what_nobody_can_read_ends_in_one_line(tmp_path, capsys):
+    """Root reads files whatever their mode, so these are failures no user escapes: a
+    .jsonl name that is a symlink loop, and a directory deeper than PATH_MAX."""
+    (tmp_path / "in").mkdir()
+    make_jsonl(tmp_path / "in")
+    (tmp_path / "in" / "loop.jsonl").symlink_to("loop.jsonl")
+    line = main_error(capsys, tmp_path / "in", "--db", tmp_path / "db")
+    assert f"cannot read {tmp_path / 'in' / 'loop.jsonl'}" in line and "symbolic links" in line, line
+    (tmp_path / "in" / "loop.jsonl").unlink()
+
+    (tmp_path / "in" / "deep").mkdir()
+    deepest = path_too_long_to_open(tmp_path / "in" / "deep")
+    line = main_error(capsys, tmp_path / "in", "--db", tmp_path / "db")
+    assert line == f"error: cannot read directory {deepest}: File name too long"
+    assert not (tmp_path / "db").exists()
+
+
 def test_unreadable_file_and_directory(tmp_path, capsys):
+    """The everyday case of the test above, where the user is not root."""
     path, _ = make_jsonl(tmp_path)
     (tmp_path / "in" / "locked").mkdir(parents=True)
     try:
