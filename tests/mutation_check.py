@@ -1,0 +1,139 @@
+"""Do the tests still catch the bugs that matter? Apply named one-line bugs, one at a time, to
+a copy of the tree and run the tests meant to catch each; report which fail (catch it) and
+how long each took to fail. Not part of the default test command: it runs the slow
+multi-rank tests once per bug (about 25 minutes on 2 cores).
+
+    python tests/mutation_check.py                     # every bug, then a baseline run
+    python tests/mutation_check.py --only ddp-never-syncs --json /tmp/mutations.json
+
+A test that fails on the unmutated copy would make every "caught" meaningless, so the
+candidate tests also run once on the unmutated copy (the baseline), which must pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SKIP = shutil.ignore_patterns(".git", "__pycache__", "*.egg-info", "data", "checkpoints", "runs", ".pytest_cache")
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    what: str
+    file: str
+    line: str  # the line as the tree has it (must occur exactly once) ...
+    bug: str  # ... and what the bug puts in its place
+    tests: tuple[str, ...]  # the tests meant to catch it
+
+
+MUTATIONS = (
+    Mutation("ddp-never-syncs", "DDP never all-reduces: no_sync() on every micro-step", "train.py",
+             "        with trainable.no_sync() if world_size > 1 and not is_sync else contextlib.nullcontext():",
+             "        with trainable.no_sync() if world_size > 1 else contextlib.nullcontext():",
+             ("tests/test_grad_sync.py",)),
+    Mutation("resume-with-epoch-0-order", "a resume rebuilds its dataset with epoch 0's order", "data.py",
+             "        ds = source.dataset(epoch)",
+             "        ds = source.dataset(0 if loader_state is not None else epoch)",
+             ("tests/test_resume_epochs.py",
+              "tests/test_train.py::test_exact_resume_matches_uninterrupted_run")),
+    Mutation("checkpoint-not-atomic", "a checkpoint written in place, without fsync and rename", "checkpoint.py",
+             "    atomic_write(path, lambda tmp: torch.save(obj, tmp))",
+             "    torch.save(obj, path)",
+             ("tests/test_elastic.py::test_kill_inside_a_checkpoint_write_then_resume_auto",)),
+    Mutation("merge-rank-0-only", "a resume merges only rank 0's loader state", "checkpoint.py",
+             "    states = [ckpt[\"dataset\"]] + [read_checkpoint(checkpoint_path(ckpt_dir, step, r))[\"dataset\"]",
+             "    states = [ckpt[\"dataset\"]] + 0 * [read_checkpoint(checkpoint_path(ckpt_dir, step, r))[\"dataset\"]",
+             ("tests/test_resume_epochs.py",
+              "tests/test_elastic.py::test_every_global_step_sees_the_same_samples_on_any_world_size")),
+    Mutation("doc-mask-dropped", "--doc-mask never reaches the model", "train.py",
+             "    doc_ids = batch[\"doc_ids\"].to(device, non_blocking=True) if doc_mask else None",
+             "    doc_ids = None",
+             ("tests/test_doc_ids.py::test_doc_mask_loss_equals_each_document_run_alone",
+              "tests/test_train.py::test_doc_mask_reaches_the_model_and_is_pinned")),
+)
+
+
+def copy_tree(dest: Path) -> Path:
+    tree = dest / "tree"
+    shutil.copytree(REPO, tree, ignore=SKIP)
+    return tree
+
+
+def mutate(tree: Path, m: Mutation) -> None:
+    path = tree / m.file
+    lines = path.read_text().split("\n")
+    found = [i for i, line in enumerate(lines) if line == m.line]
+    if len(found) != 1:
+        raise SystemExit(f"error: {m.name}: the line to mutate occurs {len(found)} times in {m.file}, "
+                         f"not once; update MUTATIONS to the current code")
+    lines[found[0]] = m.bug
+    path.write_text("\n".join(lines))
+
+
+def run_test(tree: Path, test: str, timeout: int) -> tuple[str, float]:
+    """('caught' | 'passed' | 'timeout', seconds): pytest stops at the first failure (-x)."""
+    started = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", test],
+                              cwd=tree, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout", time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    if proc.returncode == 0:
+        return "passed", seconds
+    if proc.returncode == 1:
+        return "caught", seconds
+    raise SystemExit(f"error: pytest could not run {test} (exit {proc.returncode}):\n{proc.stdout[-2000:]}")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", nargs="+", choices=[m.name for m in MUTATIONS], help="these bugs only")
+    p.add_argument("--no-baseline", action="store_true", help="skip the run on the unmutated copy")
+    p.add_argument("--timeout", type=int, default=1200, help="seconds per test run")
+    p.add_argument("--json", default="", help="also write the results here")
+    args = p.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
+    results = []
+    with tempfile.TemporaryDirectory(prefix="mutations-") as scratch:
+        print(f"{'bug':<26} {'test':<80} {'result':>8} {'s':>6}", flush=True)
+        for m in chosen:
+            tree = copy_tree(Path(scratch) / m.name)
+            mutate(tree, m)
+            for test in m.tests:
+                result, seconds = run_test(tree, test, args.timeout)
+                results.append({"bug": m.name, "what": m.what, "test": test, "result": result,
+                                "seconds": round(seconds, 1)})
+                print(f"{m.name:<26} {test:<80} {result:>8} {seconds:6.0f}", flush=True)
+            shutil.rmtree(tree)
+        if not args.no_baseline:
+            tree = copy_tree(Path(scratch) / "baseline")
+            for test in sorted({t for m in chosen for t in m.tests}):
+                result, seconds = run_test(tree, test, args.timeout)
+                results.append({"bug": "none (baseline)", "what": "the unmutated tree", "test": test,
+                                "result": result, "seconds": round(seconds, 1)})
+                print(f"{'none (baseline)':<26} {test:<80} {result:>8} {seconds:6.0f}", flush=True)
+    missed = sorted({r["bug"] for r in results if r["bug"] != "none (baseline)"}
+                    - {r["bug"] for r in results if r["result"] == "caught"})
+    broken = [r["test"] for r in results if r["bug"] == "none (baseline)" and r["result"] != "passed"]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    if missed or broken:
+        print(f"uncaught bugs: {missed or 'none'}; tests failing unmutated: {broken or 'none'}")
+        sys.exit(1)
+    print("every bug is caught, and every test passes on the unmutated tree")
+
+
+if __name__ == "__main__":
+    main()
