@@ -32,6 +32,9 @@ state dicts and checkpoints are lancedb's own.
 Guard: the source of every lancedb function this relies on is fingerprinted against the
 0.40.0 it was written for. On any other source, `pipeline_problem()` says why, nothing is
 rebound, and `BoundedStreamingDataset` is lancedb's plain StreamingDataset (unbounded).
+
+The same hook retries the loader's reads while the object store cannot be reached
+(storage.StoreRetry); deleting this module, keep that.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ import numpy as np
 
 import lancedb.streaming as _streaming
 from lancedb.permutation import Permutation
+import storage
 
 # sha256 of the source of what this module relies on, in lancedb 0.40.0. What each is for:
 # _iter_owned builds its readers with the module name `Permutation`, sets
@@ -227,9 +231,11 @@ class ReadBudget:
 
 class SplitPermutation(Permutation):
     """lancedb's Permutation as `_iter_owned` uses it: shallow copies, a split-local
-    permutation table where one is registered, and reads that wait for a ReadBudget."""
+    permutation table where one is registered, reads that wait for a ReadBudget, and reads
+    tried again while the store cannot be reached (storage.StoreRetry)."""
 
     _read_budget: ReadBudget | None = None
+    _store_retry: storage.StoreRetry | None = None
 
     def __copy__(self):
         new = object.__new__(type(self))
@@ -241,24 +247,28 @@ class SplitPermutation(Permutation):
         registered = _ITERATING.get(id(permutation_table))
         if registered is None or split not in registered[0]:
             return super().from_tables(base_table, permutation_table, split)
-        tables, budget = registered
+        tables, budget, retry = registered
         permutation = super().from_tables(base_table, tables[split], split)
-        permutation._read_budget = budget
+        permutation._read_budget, permutation._store_retry = budget, retry
         return permutation
 
     def __getitems__(self, indices):
         budget = self._read_budget
         if budget is None or not indices:
-            return super().__getitems__(indices)
+            return self._take(indices)
         read = budget.acquire(self.split, indices[0], len(indices))
-        batch = super().__getitems__(indices)
+        batch = self._take(indices)
         budget.fetched(read, batch.nbytes, batch.num_rows)
         return batch
 
+    def _take(self, indices):
+        take = super().__getitems__
+        return take(indices) if self._store_retry is None else self._store_retry(lambda: take(indices))
 
-# id(a dataset's permutation table) -> ({split: that split's table}, ReadBudget | None),
-# while that dataset iterates.
-_ITERATING: dict[int, tuple[dict, ReadBudget | None]] = {}
+
+# id(a dataset's permutation table) -> ({split: that split's table}, ReadBudget | None,
+# StoreRetry | None), while that dataset iterates.
+_ITERATING: dict[int, tuple[dict, ReadBudget | None, storage.StoreRetry | None]] = {}
 PROBLEM = pipeline_problem()
 if PROBLEM is None:
     _streaming.Permutation = SplitPermutation
@@ -292,16 +302,31 @@ class BoundedStreamingDataset(_streaming.StreamingDataset):
     by the transform are counted the same until consumed. Each split may always hold one
     read batch beyond the row the consumer is on, so the floor is about two read batches
     per split, whatever the budget.
+
+    Its reads, and the permutation it builds, go through `storage.unretried` and are tried
+    again for `retry_s` seconds while the store cannot be reached (default: the retry budget,
+    storage.retry_budget_s()); what then fails, or a missing or damaged table file, is one
+    line (storage.read_faults), in worker processes too.
     """
 
-    def __init__(self, table, *, buffer_bytes: int | None = None, **kwargs):
-        if _sized_perm_memory:
-            os.environ[PERM_MEMORY_ENV] = str(max(100 * 2**20, PERM_BYTES_PER_ROW * table.count_rows()))
-        super().__init__(table, **kwargs)
+    def __init__(self, table, *, buffer_bytes: int | None = None, retry_s: float | None = None, **kwargs):
+        self._store_retry = storage.StoreRetry(storage.retry_budget_s() if retry_s is None else retry_s)
+
+        def build():
+            if _sized_perm_memory:
+                os.environ[PERM_MEMORY_ENV] = str(max(100 * 2**20, PERM_BYTES_PER_ROW * table.count_rows()))
+            super(BoundedStreamingDataset, self).__init__(storage.unretried(table), **kwargs)
+
+        with storage.read_faults(table):
+            self._store_retry(build)
         self._buffer_bytes = buffer_bytes
         self._last_budget: ReadBudget | None = None
 
     def _iter(self, *, consumer_checkpoint_transport: bool = False):
+        with storage.read_faults(self._table):
+            yield from self._iter_bounded(consumer_checkpoint_transport)
+
+    def _iter_bounded(self, consumer_checkpoint_transport: bool):
         if PROBLEM is not None:
             yield from super()._iter(consumer_checkpoint_transport=consumer_checkpoint_transport)
             return
@@ -313,7 +338,7 @@ class BoundedStreamingDataset(_streaming.StreamingDataset):
                 worker = _streaming.get_worker_info()
                 share = self._buffer_bytes // (worker.num_workers if worker is not None else 1)
                 budget = ReadBudget(self, splits, share, self._read_batch_size)
-            _ITERATING[key] = (split_tables(self._perm_table, splits), budget)
+            _ITERATING[key] = (split_tables(self._perm_table, splits), budget, self._store_retry)
         self._last_budget = budget
         try:
             yield from super()._iter(consumer_checkpoint_transport=consumer_checkpoint_transport)

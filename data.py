@@ -14,8 +14,11 @@ here as plain batches with no loader state.
 from __future__ import annotations
 
 import functools
+import gc
 import itertools
 import time
+import traceback
+import weakref
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
@@ -32,14 +35,18 @@ from common import (
     DEFAULT_DB,
     TRAIN_FILTER,
     VAL_FILTER,
+    StorageFault,
     UserError,
     check_table_tokenizer,
     corpus_filter,
     packed_token_count,
 )
 from distributed import barrier, broadcast_from_main, print0
-from storage import connect_table
+from storage import connect_table, read_faults
 
+
+# The worker-process loaders of this process: a run that fails stops them (`stop_loaders`).
+_RUNNING: weakref.WeakSet = weakref.WeakSet()
 
 # Per rank. The loader's tokens/s on this project's benchmarks is flat from a few MiB up,
 # and 256 MiB holds over a minute of a fast GPU's tokens as Arrow (README 'Bounded read-ahead').
@@ -127,7 +134,18 @@ def make_loader(ds, args, device: torch.device, splits_per_rank: int):
         pin_memory=pin,
         worker_init_fn=preemption.ignore_interrupts,
     )
-    return interleave_workers(loader, args.num_workers, splits_per_rank // args.num_workers)
+    batches = interleave_workers(loader, args.num_workers, splits_per_rank // args.num_workers)
+    _RUNNING.add(batches)
+    return batches
+
+
+def stop_loaders() -> None:
+    """Stop the worker processes of the loaders still running: a training loop that failed
+    leaves its own suspended, and a rank leaves by os._exit, which would orphan them (and
+    leak their queues' semaphores)."""
+    for batches in list(_RUNNING):
+        batches.close()
+    gc.collect()  # a loader iterator held only by a cycle (an exception's frames) goes now, queues and all
 
 
 def interleave_workers(loader, num_workers: int, splits_per_worker: int):
@@ -268,7 +286,8 @@ def open_training_data(args, tok, rank: int, world_size: int, device, num_splits
         check_table_tokenizer(open_table(), tok, f"the {where}")
 
         def source(table) -> TrainingData:
-            plan = plan_epoch(args, table, num_splits, global_batch)
+            with read_faults(table):
+                plan = plan_epoch(args, table, num_splits, global_batch)
             corpus = corpus_source(args, tok, TRAIN_FILTER, args.pack, plan.blocks_per_epoch)
             return TrainingData(plan, "corpus", table, dataset=lambda epoch: make_dataset(
                 args, table, rank, world_size, epoch=epoch, shuffle=True, num_splits=num_splits,
@@ -385,7 +404,8 @@ def check_validation_data(args, data, world_size: int) -> None:
         raise UserError(f"--eval-every {args.eval_every}: --blocks-mode {args.blocks_mode} trains on "
                         f"blocks, which have no validation split; drop --eval-every")
     val_filter = data_filter(args, VAL_FILTER)
-    val_rows = data.table.count_rows(val_filter)
+    with read_faults(data.table):
+        val_rows = data.table.count_rows(val_filter)
     if val_rows < world_size:
         found = "no validation rows pass" if not val_rows else f"only {val_rows} validation rows pass"
         raise UserError(f"--eval-every {args.eval_every}: {found} the filter ({val_filter}), and each "
@@ -409,8 +429,21 @@ def train_batches(args, data: TrainingData, rank, world_size, device, num_splits
             except ValueError as e:
                 raise UserError(f"the checkpoint's loader state does not fit this run: {e}") from None
             loader_state = None
-        for batch in make_loader(ds, args, device, num_splits // world_size):
-            yield epoch, ds, batch
+        try:
+            for batch in make_loader(ds, args, device, num_splits // world_size):
+                yield epoch, ds, batch
+        except StorageFault as e:
+            # The traceback's frames hold the loader that raised it: free it, and so its
+            # workers and their queues, now (the rank may leave by os._exit).
+            traceback.clear_frames(e.__traceback__)
+            raise StorageFault(worker_fault(str(e))) from None
+
+
+def worker_fault(text: str) -> str:
+    """A StorageFault's one line, also when a loader worker raised it: the DataLoader then
+    re-raises it with the worker's traceback, whose last line is the original one."""
+    last = text.strip().splitlines()[-1]
+    return last.partition("StorageFault: ")[2] or last
 
 
 class WaitClock:

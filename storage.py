@@ -15,18 +15,31 @@ Three libraries reach the store, and each is handed the same settings:
 reads. `configure` is called once by each entrypoint with its `--storage-option` flags.
 Requests are bounded (a few retries, request timeouts), so a store that cannot be
 reached fails the run with one line instead of hanging it.
+
+The retry budget, in seconds, is lance's own `client_retry_timeout` option (60 here, lance's
+default is 180): `--storage-option client_retry_timeout=SECONDS`. Lance retries each request
+for at most that long. A read of a table takes many requests one after another, each retried
+on its own, so a read could take many budgets to fail: the training loader reads through a
+connection where lance does not retry (`unretried`) and retries each whole read itself
+(`StoreRetry`), while the store fails as an unreachable store fails, until that many seconds
+have passed since the first failure; then the run ends in one line (common.StorageFault), one
+request later at most. `read_faults` turns what a damaged or missing table file, or such a
+store, makes lance raise into that line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
+import time
 from urllib.parse import urlparse
 
-from common import TRAIN_COLUMNS, UserError, is_remote
+from common import TRAIN_COLUMNS, StorageFault, UserError, is_remote
 
 # Bounded by default: lance's own default retry budget is 180 s per request.
+RETRY_OPTION = "client_retry_timeout"  # seconds: the retry budget (module docstring)
 LANCE_DEFAULTS = {"client_max_retries": "3", "client_retry_timeout": "60", "connect_timeout": "10s",
                   "timeout": "60s"}
 ARROW_CONNECT_TIMEOUT_S, ARROW_REQUEST_TIMEOUT_S, ARROW_MAX_ATTEMPTS = 10.0, 60.0, 3
@@ -69,6 +82,9 @@ def configure(pairs: list[str] | None) -> None:
     """Set this process's `--storage-option` flags (each entrypoint calls it once)."""
     global _flags
     _flags = parse_storage_options(pairs)
+    if not lance_options()[RETRY_OPTION].isdigit():
+        raise UserError(f"--storage-option {RETRY_OPTION}={_flags[RETRY_OPTION]}: the retry budget "
+                        f"is a whole number of seconds")
     export_for_boto3()
 
 
@@ -78,7 +94,10 @@ def add_argument(parser) -> None:
         "--storage-option", action="append", default=[], metavar="KEY=VALUE",
         help="LanceDB storage option for s3:// and other object-store URIs, repeatable, e.g. "
         "aws_endpoint=http://host:9000 allow_http=true; the AWS_* environment variables "
-        "(AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...) are read too, these win over them")
+        "(AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...) are read too, these win over them. "
+        f"{RETRY_OPTION}=SECONDS is the retry budget (default {LANCE_DEFAULTS[RETRY_OPTION]}): "
+        "how long a request, and each read of the training loader, is retried while the store "
+        "cannot be reached, before the run ends (exit 3)")
 
 
 def lance_options() -> dict[str, str]:
@@ -88,6 +107,11 @@ def lance_options() -> dict[str, str]:
     if (endpoint_url() or "").startswith("http://") and setting("allow_http") is None:
         options["allow_http"] = "true"
     return options
+
+
+def retry_budget_s() -> int:
+    """The retry budget in seconds (--storage-option client_retry_timeout)."""
+    return int(lance_options()[RETRY_OPTION])
 
 
 def setting(name: str) -> str | None:
@@ -251,3 +275,152 @@ def describe(error: BaseException, uri: str) -> str | None:
 def first_line(error: BaseException) -> str:
     text = str(error).strip()
     return (text.splitlines()[0][:300] if text else type(error).__name__)
+
+
+# What a store that cannot be reached (or is overloaded) makes lance and object_store raise:
+# worth trying again. Anything else (a missing object, refused credentials) is not.
+_UNREACHABLE = re.compile(
+    r"error sending request|tcp connect error|ConnectError|kind: Connect|Connection refused|"
+    r"connection (reset|closed)|broken pipe|timed out|Timeout was reached|kind: Timeout|TimedOut|"
+    r"deadline has elapsed|status code: (429|50[0-4])|Service Unavailable|SlowDown", re.I)
+_ENDPOINT = re.compile(r"\b(https?://[^/\s]+)/")
+# What a missing or damaged table file makes lance raise (the table, not the store, is at fault).
+_MISSING = re.compile(r"Not found|NotFound|NoSuchKey|does not exist", re.I)
+_DAMAGED = re.compile(r"LanceError\(IO\)|corrupt|Lance storage version|failed to fill whole buffer|"
+                      r"unexpected (eof|end of file)|out of range", re.I)
+_DATA_FILE = re.compile(r"\bdata/[\w-]+\.lance\b")
+LANCE_MAGIC = b"LANC"  # the last bytes of every complete Lance data file
+
+
+class StoreGaveUp(Exception):
+    """A read that kept failing as an unreachable store fails, for the whole retry budget."""
+
+    def __init__(self, error: BaseException, seconds: float, budget_s: float):
+        super().__init__(str(error))
+        self.seconds, self.budget_s = seconds, budget_s
+
+
+class StoreRetry:
+    """Runs reads of one loader again while the store cannot be reached, until `budget_s`
+    seconds have passed since the first failure that no success followed; then raises
+    StoreGaveUp. The clock is shared by the loader's reads, so they give up together rather
+    than one after another. Picklable, so loader worker processes get it with the dataset."""
+
+    def __init__(self, budget_s: float):
+        self.budget_s = budget_s
+        self.failing_since: float | None = None
+
+    def __call__(self, read):
+        pause = 0.2
+        while True:
+            try:
+                result = read()
+            except Exception as e:
+                if not _UNREACHABLE.search(str(e)):
+                    raise
+                now = time.monotonic()
+                if self.failing_since is None:
+                    self.failing_since = now
+                left = self.failing_since + self.budget_s - now
+                if left <= 0:
+                    raise StoreGaveUp(e, now - self.failing_since, self.budget_s) from None
+                time.sleep(min(pause, left))
+                pause = min(2 * pause, 5.0)
+                continue
+            self.failing_since = None
+            return result
+
+
+def unretried(table):
+    """`table` (a lancedb table, at its version) through a connection where lance makes each
+    request once: StoreRetry retries the reads; a local table as it is."""
+    if not is_remote(str(table.uri)):
+        return table
+    import lancedb
+
+    db = str(table.uri).rstrip("/").rpartition("/")[0]
+    reopened = lancedb.connect(db, storage_options={**lance_options(), "client_max_retries": "0"}) \
+        .open_table(table.name)
+    reopened.checkout(table.version)
+    return reopened
+
+
+@contextlib.contextmanager
+def read_faults(table):
+    """Reads of `table` inside: a missing or damaged file, or a store that stays unreachable,
+    ends the run in one line (StorageFault) instead of lance's traceback."""
+    try:
+        yield
+    except Exception as e:
+        fault = read_fault(e, table)
+        if fault is None:
+            raise
+        raise fault from None
+
+
+def read_fault(error: BaseException, table) -> StorageFault | None:
+    """The StorageFault for an error lance raised reading `table` (a lancedb table), naming
+    the table, its version and the file; None when the error is not a storage fault."""
+    if isinstance(error, UserError):
+        return None
+    text, uri = str(error), str(table.uri).rstrip("/")
+    try:
+        version = f"version {table.version} of "
+    except Exception:  # the table may be as unreadable as its data
+        version = ""
+    what = f"cannot read {version}the table {table.name!r} in {uri.rpartition('/')[0]!r}"
+    restore = ("restore the table's files from a backup or copy, or train a new run on an older "
+               "version that does not use it (--data-version N)")
+    if isinstance(error, StoreGaveUp) or (is_remote(uri) and _UNREACHABLE.search(text)):
+        found = _ENDPOINT.search(text)
+        where = found.group(1) if found else endpoint_url() or "the default AWS endpoint"
+        if isinstance(error, StoreGaveUp):
+            waited, budget = f"for {error.seconds:.0f} s of retries", f"the retry budget is {error.budget_s:g} s"
+        else:
+            waited, budget = "after lance's retries", f"lance's retry budget per request is {retry_budget_s()} s"
+        return StorageFault(f"{what}: the object store at {where} could not be reached {waited} ({budget}: "
+                            f"--storage-option {RETRY_OPTION}=SECONDS); once it is back, continue "
+                            f"with --resume auto")
+    if is_remote(uri) and (why := describe(error, uri)):
+        return StorageFault(f"{what}: {why}")
+    named = _DATA_FILE.search(text)
+    if named and _MISSING.search(text):
+        return StorageFault(f"{what}: its data file {named.group(0)} is missing; {restore}")
+    if not _DAMAGED.search(text):
+        return None
+    if named:
+        return StorageFault(f"{what}: its data file {named.group(0)} is damaged ({lance_reason(text)}); {restore}")
+    cut = truncated_data_files(uri)
+    if cut:
+        name, size = cut[0]
+        more = f" (and {len(cut) - 1} more)" if len(cut) > 1 else ""
+        return StorageFault(f"{what}: its data file data/{name} is truncated ({size} bytes, without the "
+                            f"Lance footer){more}; {restore}")
+    return StorageFault(f"{what}: a data file is damaged ({lance_reason(text)}); {restore}")
+
+
+def truncated_data_files(uri: str) -> list[tuple[str, int]]:
+    """(name, size) of each file in the table's data/ that does not end as a complete Lance
+    file does: lance's error for a cut-off file names none."""
+    import pyarrow.fs as pafs
+
+    try:
+        fs, root = filesystem(uri)
+        cut = []
+        for info in fs.get_file_info(pafs.FileSelector(f"{root}/data", allow_not_found=True)):
+            if info.type != pafs.FileType.File or not info.base_name.endswith(".lance"):
+                continue
+            with fs.open_input_file(info.path) as f:
+                tail = f.read_at(len(LANCE_MAGIC), info.size - len(LANCE_MAGIC)) \
+                    if info.size >= len(LANCE_MAGIC) else b""
+            if tail != LANCE_MAGIC:
+                cut.append((info.base_name, info.size))
+        return sorted(cut)
+    except (OSError, UserError):
+        return []
+
+
+def lance_reason(text: str) -> str:
+    """Lance's error, without its prefix and its Rust source locations."""
+    text = re.sub(r",\s*/\S+\.rs:\d+:\d+", "", first_line(text))
+    return re.sub(r"^(lance error:\s*)?(LanceError\(IO\):\s*)?", "", text)
