@@ -4,6 +4,9 @@ Layout: `<ckpt-dir>/step_XXXXXXXX.pt` holds rank 0's model, optimizer, loader st
 epoch and step; `step_XXXXXXXX_dsrankR.pt` holds rank R's loader state. Every file is
 written to a temp name and renamed, and rank 0's file is written last, after it sees
 every rank's: a step is complete or absent, so `--resume auto` never picks a torn one.
+A write that fails on any rank (a full disk or quota, a --ckpt-dir made read-only or
+removed) ends every rank with that rank's one-line StorageFault, and the step is
+committed by no one.
 On resume the ranks' loader states are merged (`StreamingDataset.merge_state_dicts`),
 so a run goes on with another world size dividing num_splits, while the settings
 that fix the sample order or the model (`RESUME_INVARIANTS`) must stay the same.
@@ -26,8 +29,8 @@ import torch.distributed as dist
 
 import storage
 from ckpt_lock import CheckpointDirLock
-from common import UserError, atomic_write
-from distributed import barrier, broadcast_from_main
+from common import StorageFault, UserError, atomic_replace, out_of_space
+from distributed import broadcast_from_main, first_fault
 
 CKPT_NAME = re.compile(r"^step_(\d{8})\.pt$")
 
@@ -51,9 +54,45 @@ def checkpoint_path(ckpt_dir: str, step: int, rank: int = 0) -> str:
     return os.path.join(ckpt_dir, f"step_{step:08d}{suffix}.pt")
 
 
+class _KeepsWriteError:
+    """The file torch.save writes to. torch reports a failed write only as a RuntimeError
+    ("unexpected pos ..."), and takes a short write for a whole one: a buffered file
+    writes all or raises, and the OSError's (errno, strerror) are kept, to raise it
+    again. Not the exception itself: its traceback would hold this object, a cycle that
+    keeps the training loop's frame, and so its loader workers, alive past the run."""
+
+    def __init__(self, file):
+        self.file, self.error = file, None
+
+    def write(self, data):
+        return self._kept(self.file.write, data)
+
+    def flush(self):
+        return self._kept(self.file.flush)
+
+    def _kept(self, call, *args):
+        try:
+            return call(*args)
+        except OSError as e:
+            self.error = e.args
+            raise
+
+
 def atomic_save(obj, path: str) -> None:
-    """torch.save through common.atomic_write: fsynced and renamed, complete or absent."""
-    atomic_write(path, lambda tmp: torch.save(obj, tmp))
+    """torch.save through common.atomic_replace: fsynced and renamed, complete or absent;
+    a failed write raises its OSError (ENOSPC, EDQUOT, EROFS...), not torch's RuntimeError."""
+
+    def save(tmp):
+        with open(tmp, "wb") as f:
+            sink = _KeepsWriteError(f)
+            try:
+                torch.save(obj, sink)
+            except RuntimeError:
+                if sink.error is None:
+                    raise
+                raise OSError(*sink.error) from None
+
+    atomic_replace(path, save)
 
 
 def save_checkpoint(ckpt_dir: str, rank: int, world_size: int, rank_payload: dict, main_payload,
@@ -61,14 +100,21 @@ def save_checkpoint(ckpt_dir: str, rank: int, world_size: int, rank_payload: dic
     """Every rank saves its loader state; rank 0's file, written last, commits the step.
 
     `main_payload` is a callable so only rank 0 pays for gathering model/optimizer state.
+    After each write the ranks agree (`first_fault`) before going on, so a rank whose
+    write failed ends them all at once; each then removes the file it wrote of this step.
     """
     step = rank_payload["opt_step"]
-    os.makedirs(ckpt_dir, exist_ok=True)  # on every rank: a node that does not share it fails below
-    barrier(world_size)
-    if rank:
-        atomic_save(rank_payload, checkpoint_path(ckpt_dir, step, rank))
-    barrier(world_size)
     path = checkpoint_path(ckpt_dir, step)
+    # rank 0's lock, taken at the start, is gone if --ckpt-dir was removed or replaced since
+    lost = rank == 0 and not os.path.isfile(os.path.join(ckpt_dir, CheckpointDirLock.FILE))
+    end_on_fault(first_fault(lost_dir_fault(ckpt_dir, step) if lost else None, world_size))
+    own, fault = None, None
+    if rank:
+        own = checkpoint_path(ckpt_dir, step, rank)
+        with contextlib.suppress(OSError):  # the write says why if this fails
+            os.makedirs(ckpt_dir, exist_ok=True)  # a node that does not share it fails below
+        fault = save_or_fault(rank_payload, own, step, f"rank {rank}'s loader state")
+    end_on_fault(first_fault(fault, world_size), own)
     # Before it commits, rank 0 must see every rank's file; all ranks learn what it misses.
     unseen = [[r for r in range(1, world_size) if not os.path.exists(checkpoint_path(ckpt_dir, step, r))]
               if rank == 0 else None]
@@ -79,11 +125,74 @@ def save_checkpoint(ckpt_dir: str, rank: int, world_size: int, rank_payload: dic
                         f"{os.path.basename(checkpoint_path(ckpt_dir, step, unseen[0][0]))}): multi-node "
                         f"training needs --ckpt-dir on a filesystem every node sees (e.g. NFS, Lustre)")
     if rank == 0:
-        atomic_save({**main_payload(), **rank_payload}, path)
-    barrier(world_size)
+        fault = save_or_fault({**main_payload(), **rank_payload}, path, step, "the checkpoint")
+    end_on_fault(first_fault(fault, world_size), own)
     if rank == 0:
         prune_checkpoints(ckpt_dir, keep_last)
     return path
+
+
+def save_or_fault(payload: dict, path: str, step: int, what: str) -> str | None:
+    """atomic_save; None, or the line of why the write failed (its temp file is gone by then)."""
+    try:
+        atomic_save(payload, path)
+        return None
+    except OSError as e:
+        ckpt_dir = os.path.dirname(path)
+        writing = f"{what} of step {step}, {path}"
+        left, then = not_saved(ckpt_dir, step)
+        full = out_of_space(e, ckpt_dir, writing, f"{left}: free space there or pass another --ckpt-dir, {then}",
+                            tensor_bytes(payload))
+        return str(full) if full else (f"cannot write {writing}: {e.strerror or e}; {left}: check that "
+                                       f"--ckpt-dir is there and writable or pass another, {then}")
+
+
+def lost_dir_fault(ckpt_dir: str, step: int) -> str:
+    left, then = not_saved(ckpt_dir, step)
+    return (f"--ckpt-dir {ckpt_dir} was removed or replaced during the run (its lock file "
+            f"{CheckpointDirLock.FILE} is gone): {left}; restore it or pass another --ckpt-dir, {then}")
+
+
+def end_on_fault(fault: str | None, own: str | None = None) -> None:
+    """All ranks: a write failed on some rank, so this step will not be committed: remove
+    this rank's file of it (`own`), then end with that rank's line."""
+    if fault is None:
+        return
+    if own is not None:
+        with contextlib.suppress(OSError):
+            os.remove(own)
+    raise StorageFault(fault)
+
+
+def not_saved(ckpt_dir: str, step: int) -> tuple[str, str]:
+    """What a failed save leaves, and what to do once the directory is fixed. The newest
+    complete checkpoint is found by name: rank 0's file exists only once its step is committed."""
+    try:
+        names = sorted(n for n in os.listdir(ckpt_dir) if CKPT_NAME.match(n))
+    except OSError:
+        names = []
+    if not names:
+        return f"step {step} is not saved and there is no complete checkpoint", "then start the run again"
+    return (f"step {step} is not saved and the newest complete checkpoint is {os.path.join(ckpt_dir, names[-1])}",
+            "then --resume auto")
+
+
+def tensor_bytes(payload) -> int:
+    """The bytes of the tensors in `payload`, each storage once: what a checkpoint needs at least."""
+    storages = {}
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(payload)
+    return sum(storages.values())
 
 
 def prune_checkpoints(ckpt_dir: str, keep_last: int) -> None:
@@ -92,7 +201,10 @@ def prune_checkpoints(ckpt_dir: str, keep_last: int) -> None:
     Runs on rank 0 after a commit, when no rank is writing. The rank-0 file goes
     first, so a prune cut short leaves loose loader files, never a false checkpoint.
     """
-    names = os.listdir(ckpt_dir)
+    try:
+        names = os.listdir(ckpt_dir)
+    except (FileNotFoundError, NotADirectoryError):  # removed since the commit: the next save says so
+        return
     for name in names:
         if ".pt.tmp" in name:
             os.remove(os.path.join(ckpt_dir, name))
@@ -200,11 +312,11 @@ def checkpoint_dir_lock(ckpt_dir: str, force_unlock: bool, rank: int, world_size
             warning = lock.acquire()
             if warning:
                 print(warning, file=sys.stderr, flush=True)
-        except UserError as e:
-            refused = str(e)
+        except UserError as e:  # or its StorageFault: every rank raises the same kind
+            refused = e
     refused = broadcast_from_main(refused, world_size)
     if refused:
-        raise UserError(refused)
+        raise refused
     try:
         yield
     finally:

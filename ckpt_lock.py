@@ -19,7 +19,7 @@ import socket
 import sys
 import uuid
 
-from common import UserError
+from common import UserError, out_of_space
 
 
 def _boot_id() -> str | None:
@@ -106,7 +106,8 @@ class CheckpointDirLock:
         """Take the lock (creating ckpt_dir if missing).
 
         Returns a warning line to print when a stale lock was taken over (or
-        force-unlocked), else None. Raises UserError when another live run holds it.
+        force-unlocked), else None. Raises UserError when another live run holds it or the
+        directory cannot be written, a StorageFault when its disk or quota is full.
         """
         if self._content is not None:
             return None
@@ -115,7 +116,9 @@ class CheckpointDirLock:
             return self.warning
         except OSError as e:
             self._remove_created_dirs()
-            raise UserError(f"cannot lock --ckpt-dir {self.ckpt_dir}: {e.strerror or e}") from None
+            full = out_of_space(e, self.ckpt_dir, f"the --ckpt-dir lock file {self.path}",
+                                "free space there or pass another --ckpt-dir")
+            raise full or UserError(f"cannot lock --ckpt-dir {self.ckpt_dir}: {e.strerror or e}") from None
         except UserError:
             self._remove_created_dirs()
             raise
@@ -127,7 +130,9 @@ class CheckpointDirLock:
         if self._owner_pid != os.getpid():
             return
         if self._content is not None:
-            with contextlib.suppress(FileNotFoundError), self._guard(create=False):
+            # OSError: the directory was removed, replaced or made read-only under the run,
+            # which then ended with that line; a lock left on a read-only one is stale.
+            with contextlib.suppress(OSError), self._guard(create=False):
                 if self._read() == self._content:
                     os.unlink(self.path)
             self._content = None

@@ -11,6 +11,7 @@ import argparse
 import errno
 import hashlib
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -66,6 +67,41 @@ class StorageFault(UserError):
 
 STORAGE_FAULT_EXIT = 3
 
+# A write that found no room, by errno; lance and safetensors raise errors of their own
+# that carry the OS error only in their text ("No space left on device (os error 28)").
+NO_SPACE = {errno.ENOSPC: ("no space left on the device (ENOSPC)",
+                           re.compile(r"No space left on device|os error 28\b")),
+            errno.EDQUOT: ("the disk quota is exceeded (EDQUOT)",
+                           re.compile(r"Disk quota exceeded|os error 122\b"))}
+
+
+def out_of_space(error: BaseException, path: str, writing: str, advice: str,
+                 needed: int | None = None) -> StorageFault | None:
+    """The one line for a write under `path` that ran out of space or quota, None for any
+    other error: what was being written, what it needs where the caller knows (bytes),
+    what is free there now (call it after removing the failed write's files) and `advice`."""
+    code = getattr(error, "errno", None)
+    if code not in NO_SPACE:
+        code = next((c for c, (_, text) in NO_SPACE.items() if text.search(str(error))), None)
+    if code is None:
+        return None
+    while not os.path.isdir(path):  # the nearest directory that exists
+        path = os.path.dirname(os.path.abspath(path))
+    fs = os.statvfs(path)
+    needs = f"; it needs at least {human_bytes(needed)}" if needed else ""
+    return StorageFault(f"{NO_SPACE[code][0]} writing {writing}{needs}; "
+                        f"{human_bytes(fs.f_bavail * fs.f_frsize)} free of "
+                        f"{human_bytes(fs.f_blocks * fs.f_frsize)} on {path!r}; {advice}")
+
+
+def human_bytes(n: float) -> str:
+    """A size as people read it in a one-line error: 980.0 KiB, 2.9 MiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's usage mistakes as UserError, so they too end in one `error:` line
@@ -116,14 +152,21 @@ def atomic_write(path: str, write: Callable[[str], None]) -> None:
     """`write(tmp)`, fsync, rename over `path`, fsync the directory: the file is complete or
     absent, even after a power loss. A write that fails (a full disk, a read-only directory)
     is a UserError and leaves no temp file."""
+    try:
+        atomic_replace(path, write)
+    except OSError as e:
+        raise UserError(f"cannot write {path!r}: {e.strerror or e}") from None
+
+
+def atomic_replace(path: str, write: Callable[[str], None]) -> None:
+    """atomic_write's steps, raising the OSError of the one that failed: its errno tells a
+    full disk from a read-only or removed directory (checkpoint.py words each)."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         write(tmp)
         fsync_path(tmp)  # the data is on disk before the name points at it
         os.replace(tmp, path)
         fsync_dir(os.path.dirname(path) or ".")  # and the rename itself
-    except OSError as e:
-        raise UserError(f"cannot write {path!r}: {e.strerror or e}") from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

@@ -49,6 +49,16 @@ def broadcast_from_main(value, world_size: int):
     return box[0]
 
 
+def first_fault(fault: str | None, world_size: int) -> str | None:
+    """Every rank's fault (None: none) gathered: the lowest rank's, on every rank, so all
+    of them end together with the same line rather than some waiting on the others."""
+    faults = [fault]
+    if world_size > 1:
+        faults = [None] * world_size
+        dist.all_gather_object(faults, fault)
+    return next((f for f in faults if f is not None), None)
+
+
 def print0(*args, **kwargs) -> None:
     """print, flushed, on rank 0 only: every rank computes the same run-level lines."""
     if int(os.environ.get("RANK", 0)) == 0:

@@ -7,7 +7,7 @@ import json
 import os
 import time
 
-from common import UserError
+from common import UserError, out_of_space
 
 # The scalars of each record kind that become TensorBoard curves, and their tags. A value
 # that is None (MFU with no known peak, memory off CUDA, an empty validation split) is left out.
@@ -19,27 +19,55 @@ TENSORBOARD_TAGS = {
 }
 
 
+def append_record(file, record: dict) -> None:
+    """One JSON line, written whole to an unbuffered file or cut back off: a write that
+    fails (a full disk) leaves the file with whole records only, and raises its OSError."""
+    data = (json.dumps(record) + "\n").encode()
+    end = os.fstat(file.fileno()).st_size
+    try:
+        while data:
+            data = data[file.write(data):]
+    except OSError:
+        os.ftruncate(file.fileno(), end)
+        raise
+
+
+def record_fault(flag: str, path: str, error: OSError) -> str:
+    """The line of a record file that could not be written: it keeps whole records only."""
+    kept = "it keeps the whole records before"
+    full = out_of_space(error, os.path.dirname(path) or ".", f"{flag} {path}", kept)
+    return str(full) if full else f"cannot write {flag} {path}: {error.strerror or error}; {kept}"
+
+
 class MetricsLog:
     """--metrics-file: one JSON object per line, flushed as written, so a crash leaves
     whole records (and at worst one torn last line, which plot_metrics.py skips).
 
     The file is opened, and the run's start record written, with the first record of
-    a trained step: a run refused at its first batch leaves no file behind.
+    a trained step: a run refused at its first batch leaves no file behind. A write that
+    fails leaves whole records and sets `fault`; the run then stops (train.py).
     """
 
     def __init__(self, path: str, append: bool, **start):
         self.path, self.append, self.start = path, append, start
         self.file = None
+        self.fault: str | None = None
 
     def write(self, kind: str, **fields) -> None:
-        if self.file is None:
-            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            self.file = open(self.path, "a" if self.append else "w", buffering=1)
-            self._line("start", self.start)
-        self._line(kind, fields)
+        if self.fault:
+            return
+        try:
+            if self.file is None:
+                os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+                self.file = open(self.path, "ab" if self.append else "wb", buffering=0)
+                self._line("start", self.start)
+            self._line(kind, fields)
+        except OSError as e:
+            self.fault = record_fault("--metrics-file", self.path, e)
+            self.close()
 
     def _line(self, kind: str, fields: dict) -> None:
-        self.file.write(json.dumps({"kind": kind, "time": round(time.time(), 3), **fields}) + "\n")
+        append_record(self.file, {"kind": kind, "time": round(time.time(), 3), **fields})
 
     def close(self) -> None:
         if self.file is not None:
@@ -91,6 +119,11 @@ class RunRecords:
 
     def __init__(self, sinks: list):
         self.sinks = sinks
+
+    @property
+    def fault(self) -> str | None:
+        """Why a sink stopped taking records (a full disk), if one did."""
+        return next((sink.fault for sink in self.sinks if getattr(sink, "fault", None)), None)
 
     def write(self, kind: str, **fields) -> None:
         for sink in self.sinks:

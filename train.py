@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import math
 import multiprocessing as mp
 import os
@@ -45,9 +44,9 @@ from common import (DEFAULT_DB, DEFAULT_TABLE, STORAGE_FAULT_EXIT, VAL_FILTER, S
                     block_hashes, is_remote, load_tokenizer)
 from data import (DEFAULT_LOADER_BUFFER_MB, TrainingData, WaitClock, check_validation_data, corpus_source,
                   data_filter, format_loader_stats, loader_stats, make_dataset, open_training_data,
-                  read_ahead_line, slowest_share, train_batches)
-from distributed import print0, replica_digests, setup_distributed
-from metrics import MetricsLog, RunRecords, TensorBoardLog, summary_writer_class
+                  read_ahead_line, slowest_share, stop_loaders, train_batches)
+from distributed import first_fault, print0, replica_digests, setup_distributed
+from metrics import MetricsLog, RunRecords, TensorBoardLog, append_record, record_fault, summary_writer_class
 from model import MODEL_SIZES, make_model
 
 # Dense bf16 tensor-core peak per device, the dtype training runs in on CUDA. Datasheets
@@ -321,8 +320,11 @@ def evaluate(model, args, table, rank, world_size, device, tok) -> float | None:
     One split per rank: the validation split is small, and its order does not
     matter, so it need not share the training split layout.
     """
-    if table is None or table.count_rows(data_filter(args, VAL_FILTER)) < world_size:
-        return None  # the loader needs a row per split
+    if table is None:
+        return None
+    with storage.read_faults(table):
+        if table.count_rows(data_filter(args, VAL_FILTER)) < world_size:
+            return None  # the loader needs a row per split
     ds = make_dataset(args, table, rank, world_size, epoch=0, shuffle=False, num_splits=world_size,
                       **corpus_source(args, tok, VAL_FILTER))
     loader = DataLoader(ds, batch_size=args.batch_size, num_workers=0)
@@ -396,20 +398,29 @@ class SampleTrace:
 
     Each sample is named by the first 16 hex digits of BLAKE2b over its input_ids as
     little-endian int32, so traces from any topology can be compared from outside.
+    A write that fails leaves whole records and sets `fault`; the run then stops.
     """
 
     def __init__(self, directory: str, rank: int):
-        os.makedirs(directory, exist_ok=True)
-        self.file = open(os.path.join(directory, f"rank{rank}.jsonl"), "a", buffering=1)
+        self.path = os.path.join(directory, f"rank{rank}.jsonl")
+        try:
+            os.makedirs(directory, exist_ok=True)
+            self.file = open(self.path, "ab", buffering=0)
+        except OSError as e:
+            raise StorageFault(record_fault("--trace-samples", self.path, e)) from None
         self.rank = rank
         self.pending: list[str] = []
+        self.fault: str | None = None
 
     def add(self, input_ids: torch.Tensor) -> None:
         self.pending.extend(block_hashes(input_ids.numpy()))
 
     def commit(self, step: int, epoch: int) -> None:
-        self.file.write(json.dumps({"step": step, "rank": self.rank, "epoch": epoch,
-                                    "samples": self.pending}) + "\n")
+        if self.fault is None:
+            try:
+                append_record(self.file, {"step": step, "rank": self.rank, "epoch": epoch, "samples": self.pending})
+            except OSError as e:
+                self.fault = record_fault("--trace-samples", self.path, e)
         self.pending = []
 
 
@@ -505,10 +516,12 @@ def train_locked(args, rank: int, world_size: int, device: torch.device, num_spl
     metrics = open_metrics(args, rank, world_size, model, resumed_step=state.opt_step, resumed=ckpt is not None)
     run = Run(args, rank, world_size, device, tok, data, config, num_splits, horizon, flops_per_token(model),
               peak, metrics)
+    trace = SampleTrace(args.trace_samples, rank) if args.trace_samples else None
     try:
-        stopped, last = train_loop(run, state, model, trainable, opt, loader_state, stop)
+        stopped, last = train_loop(run, state, model, trainable, opt, loader_state, stop, trace)
         if last is not None and state.opt_step != state.last_saved:  # the end of the run is always resumable
             save(run, state, model, opt, *last)
+        end_on_record_fault(run, state, trace)
         if stopped:
             why = (stop and stop.requested) or "a stop signal on another rank"
             print0(f"{run.tag}stopped by {why} at step {state.opt_step}: saved "
@@ -516,6 +529,7 @@ def train_locked(args, rank: int, world_size: int, device: torch.device, num_spl
             return
         val = validate(run, state, model)
         seen = checked_tokens(state, world_size)
+        end_on_record_fault(run, state)
         print0(f"{run.tag}final: opt_step={state.opt_step} tokens_seen={seen:,} val_loss={format_val(val, args)}")
     finally:  # rank 0's records: every one is flushed already; this ends the TensorBoard writer's thread
         if metrics:
@@ -580,11 +594,12 @@ def open_metrics(args, rank: int, world_size: int, model, resumed_step: int,
 
 
 def train_loop(run: Run, state: TrainState, model, trainable, opt, loader_state,
-               stop: preemption.StopSignals | None) -> tuple[bool, tuple | None]:
+               stop: preemption.StopSignals | None, trace: SampleTrace | None) -> tuple[bool, tuple | None]:
     """Optimizer steps from the resumed one to --steps or the end of the last epoch.
 
-    Returns whether a stop signal ended the loop, and the last (epoch, dataset, batch)
-    trained on, which the final checkpoint records (None when nothing was trained).
+    Returns whether a stop signal (or a record write that failed) ended the loop, and the
+    last (epoch, dataset, batch) trained on, which the final checkpoint records (None when
+    nothing was trained).
     """
     args, device, world_size = run.args, run.device, run.world_size
     done = bool(args.steps) and state.opt_step >= args.steps
@@ -592,7 +607,6 @@ def train_loop(run: Run, state: TrainState, model, trainable, opt, loader_state,
     batches = clock.timed(() if done else train_batches(args, run.data, run.rank, world_size, device,
                                                         run.num_splits, state.epoch, loader_state))
     interval = Interval(time.perf_counter(), state.opt_step, 0.0)
-    trace = SampleTrace(args.trace_samples, run.rank) if args.trace_samples else None
     vote = preemption.StopVote(world_size, device)
     stopped, last, micro = False, None, 0
     for epoch, ds, batch in batches:
@@ -629,7 +643,7 @@ def train_loop(run: Run, state: TrainState, model, trainable, opt, loader_state,
             seconds = time.perf_counter() - started
             interval = interval.excluding(seconds)
             print0(f"  val loss @ step {state.opt_step}: {format_val(val, args)} ({seconds:.1f} s, not in tok/s)")
-        if vote.stop_now(stop is not None and stop.requested is not None):
+        if vote.stop_now(stop is not None and stop.requested is not None or unwritten_records(run, trace) is not None):
             stopped = True
             break
         if args.steps and state.opt_step >= args.steps:
@@ -697,6 +711,21 @@ def checked_replicas(model, state: TrainState, world_size: int) -> list:
                         f"no longer train one model (a gradient all-reduce was skipped); nothing was saved "
                         f"after it and {last_good(state)}")
     return digests.cpu().tolist()
+
+
+def end_on_record_fault(run: Run, state: TrainState, trace: SampleTrace | None = None) -> None:
+    """All ranks: a record that could not be written on any rank (--metrics-file, --trace-samples)
+    ends the run with its line. The loop stopped every rank at one step for it, like a stop
+    signal, and that step is checkpointed by now: nothing trained is lost."""
+    fault = first_fault(unwritten_records(run, trace), run.world_size)
+    if fault:
+        saved = ", which is checkpointed" if state.last_saved == state.opt_step else f"; {last_good(state)}"
+        raise StorageFault(f"{fault}; the run stopped at step {state.opt_step}{saved}: fix that, then --resume auto")
+
+
+def unwritten_records(run: Run, trace: SampleTrace | None) -> str | None:
+    """Why this rank's records stopped being written (a full disk), if they did."""
+    return (run.metrics.fault if run.metrics else None) or (trace.fault if trace else None)
 
 
 def last_good(state: TrainState) -> str:
@@ -805,6 +834,8 @@ def run(args, stop: preemption.StopSignals) -> int:
               f"more than --dist-timeout {args.dist_timeout} s; the newest complete checkpoint is "
               f"intact (--resume auto)", file=sys.stderr)
         code = 1
+    if code:  # a loop that failed leaves its loader running: stop its worker processes before leaving
+        stop_loaders()
     if world_size > 1 and code == 0:
         dist.destroy_process_group()
     return code
