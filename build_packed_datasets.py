@@ -29,12 +29,15 @@ Each format directory gets a `manifest.json` (blocks_loaders.MANIFEST_KEYS: bloc
 count, seq_len, tokenizer, source filter and table version, `content_hash` over
 the blocks in stored order and the order-free `multiset_hash`), written last. A
 local format is built under a temporary name and renamed into place, so OUT/FMT
-is complete or absent; an existing one is refused unless --overwrite.
+is complete or absent; an existing one is refused unless --overwrite. Running out of
+space (ENOSPC, or a quota's EDQUOT) ends in one `error:` line and exit 3
+(common.StorageFault), with the formats not yet published removed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import hashlib
 import json
@@ -53,14 +56,17 @@ from blocks_loaders import FORMATS, MANIFEST
 from common import (
     DEFAULT_DB,
     DEFAULT_TABLE,
+    STORAGE_FAULT_EXIT,
     TRAIN_FILTER,
     MultisetDigest,
+    StorageFault,
     UserError,
     block_hashes,
     check_table_tokenizer,
     corpus_filter,
     is_remote,
     load_tokenizer,
+    out_of_space,
     packed_token_count,
     write_stream,
 )
@@ -101,6 +107,15 @@ class ParquetBlocksWriter:
             self.writer.close()
         return self.files
 
+    def abort(self) -> None:
+        """Let go of the open local file unfinished, so that removing it frees its space now:
+        closing the writer would write its footer (pyarrow's __del__ does at exit), which on
+        a full disk fails again, as a traceback."""
+        if self.writer is not None and self.writer.is_open:
+            self.writer.is_open = False
+            with contextlib.suppress(OSError):
+                self.sink.close()
+
     def _drain(self, final: bool) -> None:
         """Write whole row groups; a short one only at the end of a file or of the data."""
         if not self.pending:
@@ -127,7 +142,8 @@ class ParquetBlocksWriter:
         if self.writer is not None:
             self.writer.close()
         name = f"blocks-{len(self.files):05d}.parquet"
-        self.writer = pq.ParquetWriter(self.fs.open_output_stream(f"{self.root}/{name}"), self.schema,
+        self.sink = self.fs.open_output_stream(f"{self.root}/{name}")
+        self.writer = pq.ParquetWriter(self.sink, self.schema,
                                        compression="none", use_dictionary=False,
                                        write_statistics=False)
         self.files.append({"path": name, "num_blocks": 0})
@@ -150,6 +166,9 @@ class MDSBlocksWriter:
     def close(self) -> dict:
         self.writer.finish()
         return {}
+
+    def abort(self) -> None:
+        """Nothing to let go of: MDSWriter opens, writes and closes each shard at once."""
 
 
 def pack_blocks(table, where: str, tok, seq_len: int, seed: int, num_blocks: int):
@@ -254,8 +273,8 @@ def build(db: str, table: str, out: str, *, formats=FORMATS, seq_len: int = 1024
     schema = blocks_schema(seq_len)
     staged = {fmt: staging_dir(out, fmt) for fmt in formats}
     row_group_blocks = {"parquet-random": random_row_group_blocks, "parquet-seq": seq_row_group_blocks}
+    writers, manifests = {}, {}
     try:
-        writers = {}
         for fmt in formats:
             if fmt == "mds":
                 writers[fmt] = MDSBlocksWriter(staged[fmt], seq_len)
@@ -266,7 +285,8 @@ def build(db: str, table: str, out: str, *, formats=FORMATS, seq_len: int = 1024
 
         def chunks():
             with tqdm(total=num_blocks, desc="blocks", unit="block", file=sys.stderr,
-                      delay=0.5, mininterval=0.5) as bar:
+                      delay=0.5, mininterval=0.5, disable=None) as bar:
+                bar.leave = False  # until the last block: an error is the only line left
                 for chunk in pack_blocks(tbl, where, tok, seq_len, seed, num_blocks):
                     if (chunk == tok.pad_token_id).any():
                         raise UserError(f"column n_tokens of table {table!r} disagrees with "
@@ -277,6 +297,7 @@ def build(db: str, table: str, out: str, *, formats=FORMATS, seq_len: int = 1024
                         writer.write(chunk)
                     bar.update(len(chunk))
                     yield to_record_batch(chunk, schema)
+                bar.leave = True
 
         if "lance" in formats:
             write_stream(lambda reader: storage.connect(staged["lance"]).create_table(
@@ -299,17 +320,27 @@ def build(db: str, table: str, out: str, *, formats=FORMATS, seq_len: int = 1024
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "builder": "build_packed_datasets.py",
         }
-        manifests = {}
         for fmt in formats:
             manifest = {"format": fmt, **common}
             if fmt in row_group_blocks:
                 manifest.update(row_group_blocks=row_group_blocks[fmt], files=extras[fmt])
             publish(out, fmt, staged[fmt], manifest, overwrite)
             manifests[fmt] = manifest
-    finally:
-        for path in staged.values():
-            if not is_remote(out) and os.path.exists(path):
-                shutil.rmtree(path, ignore_errors=True)
+    except BaseException as e:  # the local formats not published go, then what is free is measured
+        if not is_remote(out):
+            for writer in writers.values():
+                writer.abort()
+            for path in staged.values():
+                if os.path.exists(path):
+                    shutil.rmtree(path, ignore_errors=True)
+        kept = (f"{', '.join(manifests)} complete, the other formats not published" if manifests
+                else "nothing was published")
+        if isinstance(e, Exception) and not isinstance(e, UserError) and (fault := out_of_space(
+                e, out, f"{num_blocks:,} blocks of {seq_len} tokens as {', '.join(formats)} to {out!r}",
+                f"free space there or use another --out, then run again; {kept}",
+                needed=len(formats) * num_blocks * seq_len * 4)):
+            raise fault from None
+        raise
 
     seconds = time.perf_counter() - start
     print(f"built {num_blocks:,} blocks of {seq_len} tokens ({num_blocks * seq_len:,} of "
@@ -350,7 +381,7 @@ def main(argv=None) -> None:
               seq_row_group_blocks=args.seq_row_group_blocks, overwrite=args.overwrite)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(STORAGE_FAULT_EXIT if isinstance(e, StorageFault) else 2)
     except KeyboardInterrupt:
         print("interrupted: nothing was published", file=sys.stderr)
         sys.exit(130)

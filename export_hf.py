@@ -18,6 +18,8 @@ the tokenizer, and loads with `AutoModelForCausalLM.from_pretrained(DIR)`.
 - Generation: EOS starts a document (as in packed training) and ends one; PAD is
   suppressed, so greedy decoding equals `sample.py --temperature 0` up to seq_len tokens.
 - The export is atomic: written to a temp directory beside --out, synced, then renamed.
+  Running out of space (ENOSPC, or a quota's EDQUOT) is one `error:` line and exit 3
+  (common.StorageFault); the temp directory goes and a previous export stays as it was.
 
 Usage
 -----
@@ -34,7 +36,8 @@ import sys
 
 import torch
 
-from common import ArgumentParser, UserError, fsync_dir, fsync_path, load_hf_tokenizer
+from common import (STORAGE_FAULT_EXIT, ArgumentParser, StorageFault, UserError, fsync_dir, fsync_path,
+                    load_hf_tokenizer, out_of_space)
 from sample import load_model
 
 # Our projection name -> whether GPT-2's Conv1D stores it transposed (all nn.Linear weights do).
@@ -168,9 +171,10 @@ def write_model_dir(directory: str, model, tok, config: dict, provenance: dict) 
     hf_tok.save_pretrained(directory)
 
 
-def replace_directory(out: str, write) -> None:
+def replace_directory(out: str, write, needed: int | None = None) -> None:
     """`write(tmp)` into a fresh directory beside `out`, fsync it, then rename it to `out`:
-    the export is complete or absent. An old `out` is renamed away first and removed last."""
+    the export is complete or absent. An old `out` is renamed away first and removed last.
+    Running out of space (`needed`: bytes the export takes, where known) is a StorageFault."""
     parent, name = os.path.split(os.path.abspath(out))
     remove_stale(parent, name)
     tmp = os.path.join(parent, f".{name}.tmp-{os.getpid()}")
@@ -185,13 +189,21 @@ def replace_directory(out: str, write) -> None:
             os.rename(out, old)
         os.replace(tmp, out)
         fsync_dir(parent)
-    except OSError as e:
-        raise UserError(f"cannot write {out!r}: {e.strerror or e}") from None
-    finally:
+    except BaseException as e:
         if os.path.isdir(old) and not os.path.exists(out):
             os.rename(old, out)  # cut short between the two renames: the previous export goes back
-        for leftover in (tmp, old):
-            shutil.rmtree(leftover, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # before out_of_space measures what is free
+        kept = (f"the previous export in {out!r} is as it was" if os.path.isdir(out) and os.listdir(out)
+                else "nothing was written")
+        if isinstance(e, Exception) and not isinstance(e, UserError) and (fault := out_of_space(
+                e, parent, f"the export {out!r}",
+                f"free space there or use another --out, then run again; {kept}", needed)):
+            raise fault from None
+        if isinstance(e, OSError):
+            raise UserError(f"cannot write {out!r}: {e.strerror or e}") from None
+        raise
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def remove_stale(parent: str, name: str) -> None:
@@ -220,9 +232,10 @@ def export(args) -> str:
     provenance = {"checkpoint": os.path.basename(path), "model": config["model"],
                   "tokenizer": config["tokenizer"], "doc_mask": bool(config.get("doc_mask", False)),
                   "pack": bool(config.get("pack", False))}
-    replace_directory(args.out, lambda tmp: write_model_dir(tmp, model, tok, config, provenance))
     n_params = sum(p.numel() for p in model.parameters()) - \
         (model.cfg.vocab_size - tok.vocab_size) * model.cfg.d_model
+    replace_directory(args.out, lambda tmp: write_model_dir(tmp, model, tok, config, provenance),
+                      needed=4 * n_params)  # the float32 weights; the rest is kilobytes
     print(f"exported {path} ({config['model']}, {n_params:,} parameters, vocabulary {tok.vocab_size}, "
           f"tokenizer {config['tokenizer']}) to {args.out}")
     if provenance["doc_mask"]:
@@ -236,7 +249,7 @@ def main(argv=None) -> None:
         export(parse_args(argv))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(STORAGE_FAULT_EXIT if isinstance(e, StorageFault) else 2)
     except KeyboardInterrupt:
         print("error: interrupted; nothing was written", file=sys.stderr)
         sys.exit(130)

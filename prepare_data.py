@@ -20,7 +20,8 @@ input, a named file of another type, directories with no input file, inputs with
 document left (every line skipped counts), with --score-field a document whose score is
 missing or not a number, --mode create on an existing table, a --db that is a file,
 --mode append onto a table made with another tokenizer, and --restore of a version the
-table does not have.
+table does not have. No space left on the --db filesystem (ENOSPC, or a quota's EDQUOT)
+is one `error:` line too, with exit 3 (common.StorageFault) and the table as it was.
 
 Each document gets a sequential `id` (after the last row's id on append), `input_ids`
 (no EOS), a `score` (--score-field, else `quality_score`), a `digest` of its normalized
@@ -81,8 +82,9 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 import storage
-from common import (CORPUS_SCHEMA, DEFAULT_DB, DEFAULT_TABLE, LEGACY_SCHEMA, FastEncoder,
-                    UserError, check_table_tokenizer, corpus_schema, is_remote, load_tokenizer, write_stream)
+from common import (CORPUS_SCHEMA, DEFAULT_DB, DEFAULT_TABLE, LEGACY_SCHEMA, STORAGE_FAULT_EXIT,
+                    FastEncoder, StorageFault, UserError, check_table_tokenizer, corpus_schema,
+                    is_remote, load_tokenizer, out_of_space, write_stream)
 from digest_set import DigestSet
 from ordered_pool import OrderedPool, WorkerDied, usable_cores
 
@@ -575,11 +577,18 @@ def commit(db: str, table: str, existing, mode: str, schema: pa.Schema,
             write_stream(lambda reader: storage.connect(db).create_table(
                 table, data=reader, schema=schema,
                 mode="create" if mode == "create" else "overwrite"), schema, batches)
-    except OSError as e:  # input errors arrive as UserError: this is the db itself
+    except BaseException as e:
         remove_uncommitted(created)
-        raise UserError(storage.describe(e, db) or f"cannot write table {table!r} in {db!r}: {e}") from None
-    except BaseException:
-        remove_uncommitted(created)
+        if isinstance(e, UserError) or not isinstance(e, Exception):  # the input's fault, Ctrl-C
+            raise
+        kept = (f"the table is as it was (version {existing.version}, {existing.count_rows()} rows)"
+                if existing is not None else "no table was created")
+        if fault := out_of_space(e, db, f"table {table!r} in {db!r}",
+                                 f"free space there or use another --db, then run again; {kept}"):
+            raise fault from None
+        if isinstance(e, OSError):
+            raise UserError(storage.describe(e, db)
+                            or f"cannot write table {table!r} in {db!r}: {e}") from None
         raise
 
 
@@ -760,10 +769,17 @@ def restore(db: str, table: str, version: int) -> None:
         have = ", ".join(map(str, versions)) if len(versions) <= 10 else \
             f"{len(versions)} from {versions[0]} to {versions[-1]}"
         raise UserError(f"table {table!r} in {db!r} has no version {version} (versions: {have})")
+    latest = tbl.version
     try:
         tbl.restore(version)
-    except OSError as e:
-        raise UserError(storage.describe(e, db) or f"cannot restore {table!r} in {db!r}: {e}") from None
+    except Exception as e:
+        if fault := out_of_space(e, db, f"a new version of table {table!r} in {db!r}",
+                                 f"free space there, then run again; the table is as it was "
+                                 f"(version {latest})"):
+            raise fault from None
+        if isinstance(e, OSError):
+            raise UserError(storage.describe(e, db) or f"cannot restore {table!r} in {db!r}: {e}") from None
+        raise
     print(f"restored version {version} ({tbl.count_rows()} rows) of {db}/{table} "
           f"as its new version {tbl.version}")
 
@@ -856,7 +872,7 @@ def main(argv=None) -> None:
                    score_field=args.score_field, batch_size=args.batch_size, **options)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(STORAGE_FAULT_EXIT if isinstance(e, StorageFault) else 2)
     except WorkerDied as e:
         print(f"error: {e}; the table is as it was", file=sys.stderr)
         sys.exit(1)
