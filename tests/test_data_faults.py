@@ -367,3 +367,27 @@ def test_the_object_store_gone_mid_run_ends_after_the_retry_budget_and_resume_co
 
     moto.restart(bucket, objects)
     check_resume(corpus, straight, nproc, ck, name, db, "--num-workers", workers, *budget)
+
+
+def test_an_object_store_back_within_the_retry_budget_costs_a_pause_not_the_run(corpus, straight, moto, tmp_path):
+    """moto killed after step DAMAGE_AT and started again OUTAGE_S later, inside the retry
+    budget: the loader's reads wait it out, and the run ends as the straight run does."""
+    outage_s, budget_s = 4, 90
+    bucket = "faults"
+    moto.client().create_bucket(Bucket=bucket)
+    db = f"s3://{bucket}/db"
+    write_corpus(db)
+    objects = moto.snapshot(bucket)
+    run = Run(1, ["--db", db, *FLAGS, "--batch-size", GLOBAL_BATCH, "--steps", STEPS, "--ckpt-dir", tmp_path / "ck",
+                  "--storage-option", f"client_retry_timeout={budget_s}",
+                  "--trace-samples", corpus["tmp"] / "trace-s3-back"], tmp_path)
+    run.wait_for_step(DAMAGE_AT)
+    moto.kill()
+    time.sleep(outage_s)
+    assert run.proc.poll() is None, run.finish()  # still waiting for the store
+    moto.restart(bucket, objects)
+    code, out, err, survivors = run.finish()
+
+    assert code == 0 and "error:" not in err, out + err
+    assert survivors == []
+    assert per_step(read_trace(corpus["tmp"] / "trace-s3-back")) == straight
