@@ -182,15 +182,17 @@ def first_batch_seconds(table, splits, path):
 def test_time_to_the_first_batch_does_not_grow_with_splits(tmp_path, path):
     """lancedb 0.40 alone costs a full permutation scan and two copies of the permutation
     table per split (~4x from 8 to 32 splits on this table); here it is one read, and what
-    is left per split is its first read batch. The best of three tries each, interleaved,
-    so that other load on the machine weighs on both."""
+    is left per split is its first read batch. The best of five tries each, interleaved,
+    so that other load on the machine weighs on both. Measured on a 2-core VM, best of 5:
+    1.05x to 1.35x, with one 1.78x; 1.5x failed a CI run there, so the bound is 2x, still half
+    of lancedb's own growth."""
     table = synthetic_corpus(str(tmp_path / "db"), 2_000_000, 10, 60, seed=4)
     tries = {8: [], 32: []}
-    for _ in range(3):
+    for _ in range(5):
         for splits, seconds in tries.items():
             seconds.append(first_batch_seconds(table, splits, path))
     eight, thirty_two = min(tries[8]), min(tries[32])
-    assert thirty_two < 1.5 * eight, tries
+    assert thirty_two < 2 * eight, tries
 
 
 def test_an_unknown_lancedb_pipeline_is_recognised():
