@@ -56,10 +56,8 @@ from blocks_loaders import FORMATS, MANIFEST
 from common import (
     DEFAULT_DB,
     DEFAULT_TABLE,
-    STORAGE_FAULT_EXIT,
     TRAIN_FILTER,
     MultisetDigest,
-    StorageFault,
     UserError,
     block_hashes,
     check_table_tokenizer,
@@ -335,10 +333,10 @@ def build(db: str, table: str, out: str, *, formats=FORMATS, seq_len: int = 1024
                     shutil.rmtree(path, ignore_errors=True)
         kept = (f"{', '.join(manifests)} complete, the other formats not published" if manifests
                 else "nothing was published")
-        if isinstance(e, Exception) and not isinstance(e, UserError) and (fault := out_of_space(
+        if fault := out_of_space(
                 e, out, f"{num_blocks:,} blocks of {seq_len} tokens as {', '.join(formats)} to {out!r}",
                 f"free space there or use another --out, then run again; {kept}",
-                needed=len(formats) * num_blocks * seq_len * 4)):
+                needed=len(formats) * num_blocks * seq_len * 4):
             raise fault from None
         raise
 
@@ -381,7 +379,7 @@ def main(argv=None) -> None:
               seq_row_group_blocks=args.seq_row_group_blocks, overwrite=args.overwrite)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(STORAGE_FAULT_EXIT if isinstance(e, StorageFault) else 2)
+        sys.exit(e.exit_code)
     except KeyboardInterrupt:
         print("interrupted: nothing was published", file=sys.stderr)
         sys.exit(130)

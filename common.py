@@ -55,7 +55,10 @@ TRAIN_COLUMNS: dict[str, tuple[str, Callable[[pa.DataType], bool]]] = {
 
 
 class UserError(Exception):
-    """A mistake the user can fix; printed as one line, never as a traceback."""
+    """A mistake the user can fix; printed as one line, never as a traceback, then the
+    entrypoint exits with `exit_code`."""
+
+    exit_code = 2
 
 
 class StorageFault(UserError):
@@ -64,8 +67,10 @@ class StorageFault(UserError):
     unwritable. One line like a UserError, but exit code 3 (STORAGE_FAULT_EXIT), so a
     scheduler can tell "fix the storage, then --resume auto" from a mistake in the command."""
 
+    exit_code = 3
 
-STORAGE_FAULT_EXIT = 3
+
+STORAGE_FAULT_EXIT = StorageFault.exit_code
 
 # A write that found no room, by errno; lance and safetensors raise errors of their own
 # that carry the OS error only in their text ("No space left on device (os error 28)").
@@ -79,7 +84,10 @@ def out_of_space(error: BaseException, path: str, writing: str, advice: str,
                  needed: int | None = None) -> StorageFault | None:
     """The one line for a write under `path` that ran out of space or quota, None for any
     other error: what was being written, what it needs where the caller knows (bytes),
-    what is free there now (call it after removing the failed write's files) and `advice`."""
+    what is free there now (call it after removing the failed write's files) and `advice`.
+    A UserError (the line is written already) and a Ctrl-C are None too."""
+    if isinstance(error, UserError) or not isinstance(error, Exception):
+        return None
     code = getattr(error, "errno", None)
     if code not in NO_SPACE:
         code = next((c for c, (_, text) in NO_SPACE.items() if text.search(str(error))), None)

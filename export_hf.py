@@ -36,8 +36,7 @@ import sys
 
 import torch
 
-from common import (STORAGE_FAULT_EXIT, ArgumentParser, StorageFault, UserError, fsync_dir, fsync_path,
-                    load_hf_tokenizer, out_of_space)
+from common import ArgumentParser, UserError, fsync_dir, fsync_path, load_hf_tokenizer, out_of_space
 from sample import load_model
 
 # Our projection name -> whether GPT-2's Conv1D stores it transposed (all nn.Linear weights do).
@@ -195,9 +194,8 @@ def replace_directory(out: str, write, needed: int | None = None) -> None:
         shutil.rmtree(tmp, ignore_errors=True)  # before out_of_space measures what is free
         kept = (f"the previous export in {out!r} is as it was" if os.path.isdir(out) and os.listdir(out)
                 else "nothing was written")
-        if isinstance(e, Exception) and not isinstance(e, UserError) and (fault := out_of_space(
-                e, parent, f"the export {out!r}",
-                f"free space there or use another --out, then run again; {kept}", needed)):
+        if fault := out_of_space(e, parent, f"the export {out!r}",
+                                 f"free space there or use another --out, then run again; {kept}", needed):
             raise fault from None
         if isinstance(e, OSError):
             raise UserError(f"cannot write {out!r}: {e.strerror or e}") from None
@@ -249,7 +247,7 @@ def main(argv=None) -> None:
         export(parse_args(argv))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(STORAGE_FAULT_EXIT if isinstance(e, StorageFault) else 2)
+        sys.exit(e.exit_code)
     except KeyboardInterrupt:
         print("error: interrupted; nothing was written", file=sys.stderr)
         sys.exit(130)

@@ -82,9 +82,8 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 import storage
-from common import (CORPUS_SCHEMA, DEFAULT_DB, DEFAULT_TABLE, LEGACY_SCHEMA, STORAGE_FAULT_EXIT,
-                    FastEncoder, StorageFault, UserError, check_table_tokenizer, corpus_schema,
-                    is_remote, load_tokenizer, out_of_space, write_stream)
+from common import (CORPUS_SCHEMA, DEFAULT_DB, DEFAULT_TABLE, LEGACY_SCHEMA, FastEncoder, UserError,
+                    check_table_tokenizer, corpus_schema, is_remote, load_tokenizer, out_of_space, write_stream)
 from digest_set import DigestSet
 from ordered_pool import OrderedPool, WorkerDied, usable_cores
 
@@ -872,7 +871,7 @@ def main(argv=None) -> None:
                    score_field=args.score_field, batch_size=args.batch_size, **options)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(STORAGE_FAULT_EXIT if isinstance(e, StorageFault) else 2)
+        sys.exit(e.exit_code)
     except WorkerDied as e:
         print(f"error: {e}; the table is as it was", file=sys.stderr)
         sys.exit(1)

@@ -40,7 +40,7 @@ import checkpoint
 import preemption
 import storage
 from blocks_loaders import MODE_FORMAT
-from common import (DEFAULT_DB, DEFAULT_TABLE, STORAGE_FAULT_EXIT, VAL_FILTER, StorageFault, Tokenizer, UserError,
+from common import (DEFAULT_DB, DEFAULT_TABLE, VAL_FILTER, StorageFault, Tokenizer, UserError,
                     block_hashes, is_remote, load_tokenizer)
 from data import (DEFAULT_LOADER_BUFFER_MB, TrainingData, WaitClock, check_validation_data, corpus_source,
                   data_filter, format_loader_stats, loader_stats, make_dataset, open_training_data,
@@ -816,12 +816,9 @@ def run(args, stop: preemption.StopSignals) -> int:
     try:
         storage.configure(args.storage_option)
         train(args, rank, world_size, device, stop)
-    except StorageFault as e:
+    except UserError as e:  # a StorageFault too: exit 3
         print(f"error: {e}", file=sys.stderr)
-        code = STORAGE_FAULT_EXIT
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        code = 2
+        code = e.exit_code
     except KeyboardInterrupt:
         print("interrupted by a second Ctrl-C: the step in progress is not checkpointed; the newest "
               "complete checkpoint is intact (--resume auto)", file=sys.stderr)

@@ -21,8 +21,8 @@ import pytest
 import build_packed_datasets
 import prepare_data
 from blocks_loaders import FORMATS, read_manifest
-from common import (STORAGE_FAULT_EXIT, TRAIN_FILTER, corpus_filter, human_bytes, out_of_space,
-                    packed_token_count, synthetic_corpus)
+from common import (STORAGE_FAULT_EXIT, TRAIN_FILTER, StorageFault, UserError, corpus_filter, human_bytes,
+                    out_of_space, packed_token_count, synthetic_corpus)
 from conftest import REPO, session_pids, wait_gone
 from test_prepare_data import prose
 
@@ -81,6 +81,10 @@ def table_state(db):
      "(EDQUOT)"),
     (OSError(errno.EACCES, "Permission denied"), None),
     (RuntimeError("lance error: Not found: data/x.lance"), None),
+    # a line already written, even one that quotes the OS error, and a Ctrl-C are not rewritten
+    (StorageFault("cannot read the table: No space left on device (os error 28)"), None),
+    (UserError("--out x: No space left on device"), None),
+    (KeyboardInterrupt(), None),
 ])
 def test_a_quota_is_told_from_a_full_disk_and_from_other_errors(error, fault, tmp_path):
     """EDQUOT cannot be made real here (root ignores quotas, this tmpfs has none): how the
