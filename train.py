@@ -865,9 +865,21 @@ def leave(code: int, skip_finalizers: bool) -> None:
     if skip_finalizers:
         sys.stdout.flush()
         sys.stderr.flush()
+        release_semaphores()
         os._exit(code)
     if code:
         sys.exit(code)
+
+
+def release_semaphores() -> None:
+    """Unlink the named semaphores of this process's multiprocessing objects (loader queues
+    and events) that are still alive, as multiprocessing's exit handler would: os._exit skips
+    it, and the resource tracker then prints a "leaked semaphore objects" warning after the
+    run's last line. Only finalizers of priority >= 0 run (no thread or child is joined), and
+    the loader workers are stopped by now (data.stop_loaders, or their loop ended)."""
+    import multiprocessing.util
+
+    multiprocessing.util._run_finalizers(0)
 
 
 if __name__ == "__main__":
