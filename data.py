@@ -19,7 +19,8 @@ import itertools
 import time
 import traceback
 import weakref
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,11 +43,14 @@ from common import (
     packed_token_count,
 )
 from distributed import barrier, broadcast_from_main, print0
+from prefetch import Prefetcher
 from storage import connect_table, read_faults
 
 
-# The worker-process loaders of this process: a run that fails stops them (`stop_loaders`).
+# The worker-process loaders of this process, and the prefetch threads that drive them: a
+# run that fails stops them (`stop_loaders`).
 _RUNNING: weakref.WeakSet = weakref.WeakSet()
+_PREFETCHING: weakref.WeakSet = weakref.WeakSet()
 
 # Per rank. The loader's tokens/s on this project's benchmarks is flat from a few MiB up,
 # and 256 MiB holds over a minute of a fast GPU's tokens as Arrow (README 'Bounded read-ahead').
@@ -118,10 +122,10 @@ def make_dataset(args, table, rank: int, world_size: int, *, epoch: int, shuffle
 
 def make_loader(ds, args, device: torch.device, splits_per_rank: int):
     """Training micro-batches: in-process (num_workers=0) or lancedb's consumer-
-    committed StreamingDataLoader with worker processes, yielding the same batches."""
-    pin = device.type == "cuda"
+    committed StreamingDataLoader with worker processes, yielding the same batches.
+    Nothing is pinned here: prefetch.Prefetcher pins whole batches on its own thread."""
     if args.num_workers == 0:
-        return DataLoader(ds, batch_size=args.batch_size, num_workers=0, pin_memory=pin)
+        return DataLoader(ds, batch_size=args.batch_size, num_workers=0)
     from lancedb.streaming import StreamingDataLoader
 
     # Not fork: ranks have CUDA + lancedb's async runtime initialised, and
@@ -131,18 +135,51 @@ def make_loader(ds, args, device: torch.device, splits_per_rank: int):
         batch_size=args.batch_size // args.num_workers,
         num_workers=args.num_workers,
         multiprocessing_context=args.mp_context,
-        pin_memory=pin,
-        worker_init_fn=preemption.ignore_interrupts,
+        worker_init_fn=init_worker,
     )
     batches = interleave_workers(loader, args.num_workers, splits_per_rank // args.num_workers)
     _RUNNING.add(batches)
     return batches
 
 
+def init_worker(worker_id: int) -> None:
+    """DataLoader worker_init_fn: Ctrl-C is the rank's to handle (preemption.ignore_interrupts),
+    and torch's own thread pool stays at one thread. A worker's torch work (a tensor per
+    block, collating) is tiny, but each idle OpenMP pool of cpu_count threads spins after it,
+    and every worker of every rank has one: together they oversubscribe the node's cores
+    and take them from the threads that launch the GPU's kernels."""
+    preemption.ignore_interrupts(worker_id)
+    torch.set_num_threads(1)
+
+
+def prefetched(items, device: torch.device) -> Prefetcher:
+    """`items` (train_batches) made ahead on a thread of their own (prefetch.py)."""
+    prefetcher = Prefetcher(items, device)
+    _PREFETCHING.add(prefetcher)
+    return prefetcher
+
+
+def loader_free_batches(items, count: int, device: torch.device, check: Callable) -> Iterator:
+    """The first `count` micro-batches of `items` (train_batches), each `check`ed, moved to
+    `device` and cycled for ever: the training step with no loader in it (--loader-free,
+    the ceiling bench/gpu_check.py measures the fed run against)."""
+    pool = []
+    try:
+        for epoch, _, batch in itertools.islice(items, count):
+            check(batch["input_ids"])
+            pool.append((epoch, None, {key: value.to(device) for key, value in batch.items()}))
+    finally:
+        items.close()
+    if pool:
+        yield from itertools.cycle(pool)
+
+
 def stop_loaders() -> None:
     """Stop the worker processes of the loaders still running: a training loop that failed
     leaves its own suspended, and a rank leaves by os._exit, which would orphan them (and
-    leak their queues' semaphores)."""
+    leak their queues' semaphores). A prefetch thread first: it closes the loaders it drives."""
+    for prefetcher in list(_PREFETCHING):
+        prefetcher.close()
     for batches in list(_RUNNING):
         batches.close()
     gc.collect()  # a loader iterator held only by a cycle (an exception's frames) goes now, queues and all
@@ -415,28 +452,121 @@ def check_validation_data(args, data, world_size: int) -> None:
 
 def train_batches(args, data: TrainingData, rank, world_size, device, num_splits, start_epoch,
                   loader_state):
-    """Micro-batches across epochs as (epoch, dataset or None, batch); resumes mid-epoch from loader_state."""
-    for epoch in range(start_epoch, args.epochs):
-        source = data.at(epoch)
-        if source.baseline is not None:
-            for batch in source.baseline.epoch(epoch):
-                yield epoch, None, batch
-            continue
-        ds = source.dataset(epoch)
+    """Micro-batches across epochs as (epoch, LoaderPosition or None, batch); resumes
+    mid-epoch from loader_state.
+
+    Once an epoch's loader has asked for all of its rows (lancedb's `unscanned_rows` is 0:
+    what is left is already read ahead), the next epoch's loader is started on a thread of
+    its own (its permutation built, its worker processes spawned, its first batch made),
+    so the boundary costs no wait. Till this epoch drains, the two read ahead side by side.
+    """
+    ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="next-epoch")
+    upcoming = None  # Future of the next epoch's started EpochBatches
+    try:
+        for epoch in range(start_epoch, args.epochs):
+            source = data.at(epoch)
+            if source.baseline is not None:
+                for batch in source.baseline.epoch(epoch):
+                    yield epoch, None, batch
+                continue
+            if upcoming is not None:
+                current, upcoming = upcoming.result(), None
+            else:
+                current = EpochBatches(args, source, epoch, device, num_splits // world_size, loader_state)
+            loader_state = None
+            following = epoch + 1 < args.epochs and data.at(epoch + 1).baseline is None
+            with current:
+                for position, batch in current:
+                    if following and upcoming is None and current.requested_all():
+                        upcoming = ahead.submit(EpochBatches.started, args, data.at(epoch + 1), epoch + 1,
+                                                device, num_splits // world_size)
+                    yield epoch, position, batch
+    finally:
+        if upcoming is not None:
+            try:
+                upcoming.result().close()
+            except BaseException:  # noqa: BLE001 - the run ends anyway; its own error comes first
+                pass
+        ahead.shutdown(wait=True)
+
+
+class LoaderPosition:
+    """Where the loader stood just after one batch: what a checkpoint of the step that
+    trained on that batch records, however far the loader has read since."""
+
+    def __init__(self, dataset, state: dict):
+        self.dataset = dataset  # for its counters (loader_stats)
+        self._state = state
+
+    def state_dict(self) -> dict:
+        return self._state
+
+
+class EpochBatches:
+    """One epoch of a lance source: its StreamingDataset, its loader, and the position
+    after each batch (bounded_streaming.consumed_state, taken as the batch is made)."""
+
+    def __init__(self, args, source: TrainingData, epoch: int, device, splits_per_rank: int,
+                 loader_state: dict | None = None):
+        self.dataset = source.dataset(epoch)
         if loader_state is not None:
             try:
-                ds.load_state_dict(loader_state)
+                self.dataset.load_state_dict(loader_state)
             except ValueError as e:
                 raise UserError(f"the checkpoint's loader state does not fit this run: {e}") from None
-            loader_state = None
+        self.batches = make_loader(self.dataset, args, device, splits_per_rank)
+        self._iterator = None
+        self._first = None
+
+    @classmethod
+    def started(cls, *args) -> EpochBatches:
+        """An epoch whose loader runs and whose first batch is made already."""
+        epoch = cls(*args)
         try:
-            for batch in make_loader(ds, args, device, num_splits // world_size):
-                yield epoch, ds, batch
+            epoch._first = epoch._next()
+        except BaseException:
+            epoch.close()
+            raise
+        return epoch
+
+    def requested_all(self) -> bool:
+        return self.dataset.unscanned_rows == 0
+
+    def _next(self):
+        from bounded_streaming import consumed_state
+
+        if self._iterator is None:
+            self._iterator = iter(self.batches)
+        try:
+            batch = next(self._iterator)
         except StorageFault as e:
             # The traceback's frames hold the loader that raised it: free it, and so its
             # workers and their queues, now (the rank may leave by os._exit).
             traceback.clear_frames(e.__traceback__)
             raise StorageFault(worker_fault(str(e))) from None
+        return LoaderPosition(self.dataset, consumed_state(self.dataset)), batch
+
+    def __iter__(self):
+        if self._first is not None:
+            first, self._first = self._first, None
+            yield first
+        while True:
+            try:
+                yield self._next()
+            except StopIteration:
+                return
+
+    def close(self) -> None:
+        """Stop the loader's worker processes now (and the in-process pipeline's threads)."""
+        self._iterator = self._first = None
+        if isinstance(self.batches, Generator):
+            self.batches.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def worker_fault(text: str) -> str:
@@ -447,27 +577,31 @@ def worker_fault(text: str) -> str:
 
 
 class WaitClock:
-    """Wall seconds the training loop spent blocked on its next batch: the share of a
-    log interval spent here says at a glance whether the loader starves the device."""
+    """What getting its batches costs the training loop: wall seconds blocked on the next
+    one (`waited`: the share of a log interval spent here says whether the loader starves
+    the device) and the training thread's own CPU seconds in it (`thread_s`: on a GPU,
+    time the kernels of the step are not launched)."""
 
     def __init__(self):
         self.waited = 0.0
+        self.thread_s = 0.0
 
     def timed(self, batches):
-        """`batches`, with the time each `next` takes added to `waited`; closing it
-        closes `batches` (and so stops their loader workers)."""
+        """`batches`, with each `next` timed; closing it closes `batches` (and so stops
+        their loader workers)."""
         it = iter(batches)
         try:
             while True:
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.thread_time()
                 try:
                     item = next(it)
                 except StopIteration:
                     return
+                self.thread_s += time.thread_time() - cpu
                 self.waited += time.perf_counter() - start
                 yield item
         finally:
-            if isinstance(it, Generator):
+            if hasattr(it, "close"):
                 it.close()
 
 
@@ -480,13 +614,18 @@ def slowest_share(waited: float, elapsed: float, world_size: int, device: torch.
     return float(share)
 
 
-def loader_stats(ds) -> dict | None:
-    """The lancedb loader's queue and timing counters, where the source has them."""
-    if ds is None:
+def loader_stats(position) -> dict | None:
+    """The lancedb loader's queue and timing counters, where the source has them. `fetch_s`
+    is time spent reading; `budget_wait_s` is time reads waited for read-ahead budget
+    (--loader-buffer-mb), which lancedb counts as fetch time."""
+    if position is None:
         return None
+    ds = position.dataset
+    budget_wait = getattr(ds, "budget_wait_time", 0.0)
     return dict(unscanned_rows=ds.unscanned_rows, raw_queue_depth=ds.raw_queue_depth,
                 prefetch_queue_depth=ds.prefetch_queue_depth, consumed_rows=ds.consumed_rows,
-                fetch_s=round(ds.fetch_time, 3), transform_s=round(ds.transform_time, 3))
+                fetch_s=round(max(ds.fetch_time - budget_wait, 0.0), 3), budget_wait_s=round(budget_wait, 3),
+                transform_s=round(ds.transform_time, 3))
 
 
 def format_loader_stats(stats: dict | None) -> str:
@@ -494,4 +633,4 @@ def format_loader_stats(stats: dict | None) -> str:
         return ""
     return (f" | q {stats['unscanned_rows']}/{stats['raw_queue_depth']}/"
             f"{stats['prefetch_queue_depth']}/{stats['consumed_rows']} | "
-            f"fetch {stats['fetch_s']:.1f}s tx {stats['transform_s']:.1f}s")
+            f"fetch {stats['fetch_s']:.1f}s tx {stats['transform_s']:.1f}s budget {stats['budget_wait_s']:.1f}s")

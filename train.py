@@ -43,8 +43,8 @@ from blocks_loaders import MODE_FORMAT
 from common import (DEFAULT_DB, DEFAULT_TABLE, VAL_FILTER, StorageFault, Tokenizer, UserError,
                     block_hashes, is_remote, load_tokenizer)
 from data import (DEFAULT_LOADER_BUFFER_MB, TrainingData, WaitClock, check_validation_data, corpus_source,
-                  data_filter, format_loader_stats, loader_stats, make_dataset, open_training_data,
-                  read_ahead_line, slowest_share, stop_loaders, train_batches)
+                  data_filter, format_loader_stats, loader_free_batches, loader_stats, make_dataset,
+                  open_training_data, prefetched, read_ahead_line, slowest_share, stop_loaders, train_batches)
 from distributed import first_fault, print0, replica_digests, setup_distributed
 from metrics import MetricsLog, RunRecords, TensorBoardLog, append_record, record_fault, summary_writer_class
 from model import MODEL_SIZES, make_model
@@ -225,6 +225,10 @@ def add_observability_flags(g) -> None:
                    help="rank 0 writes the metrics file's scalars to DIR as TensorBoard event files, "
                    "keyed by optimizer step (view with `tensorboard --logdir DIR`); a resumed run "
                    "continues the curves, a fresh run into the same DIR replaces them")
+    g.add_argument("--loader-free", type=int, default=0, metavar="N",
+                   help="benchmark the training step alone: draw N micro-batches once, keep them on the "
+                   "device and cycle over them, so no loader runs in the loop (bench/gpu_check.py's "
+                   "ceiling, which the fed run's tok/s is compared with); writes no checkpoint")
     g.add_argument("--trace-samples", default="", metavar="DIR",
                    help="append one JSON line per optimizer step to DIR/rank{R}.jsonl with a hash of "
                    "every sample the rank trained on (to check sample order across topologies)")
@@ -246,9 +250,12 @@ def check_args(args, world_size: int) -> int:
                         ("--eval-batches", args.eval_batches), ("--warmup-steps", args.warmup_steps),
                         ("--lr-total-steps", args.lr_total_steps), ("--keep-last", args.keep_last),
                         ("--transform-queue-depth", args.transform_queue_depth),
-                        ("--loader-buffer-mb", args.loader_buffer_mb)):
+                        ("--loader-buffer-mb", args.loader_buffer_mb), ("--loader-free", args.loader_free)):
         if value < 0:
             raise UserError(f"{flag} must not be negative (got {value})")
+    if args.loader_free and args.resume:
+        raise UserError("--loader-free benchmarks the step on batches it keeps on the device and writes no "
+                        "checkpoint: it cannot --resume")
     if args.doc_mask and not args.pack:
         raise UserError("--doc-mask needs --pack: only the loader's packed blocks carry the "
                         "document boundaries (doc_ids) it masks by")
@@ -294,16 +301,21 @@ def check_args(args, world_size: int) -> int:
 
 # ── One step ──────────────────────────────────────────────────────────────────
 
-def batch_loss(trainable, batch, device, tok, doc_mask: bool = False):
-    """Mean next-token loss of a batch and its real-token count. Ids outside the
-    vocabulary are refused here, on the CPU, where a GPU would die in a device assert.
-    With `doc_mask`, a packed batch's doc_ids keep its documents apart."""
-    input_ids = batch["input_ids"]
+def check_vocabulary(input_ids: torch.Tensor, tok) -> None:
+    """Ids outside the vocabulary are refused on the CPU, where a GPU would die in a device assert."""
     lowest, highest = (int(x) for x in torch.aminmax(input_ids)) if input_ids.numel() else (0, 0)
     if lowest < 0 or highest >= tok.vocab_size:
         bad = lowest if lowest < 0 else highest
         raise UserError(f"the data holds token id {bad}, outside the {tok.vocab_size}-id vocabulary of "
                         f"--tokenizer {tok.spec}: pass the tokenizer the data was prepared with")
+
+
+def batch_loss(trainable, batch, device, tok, doc_mask: bool = False):
+    """Mean next-token loss of a batch and its real-token count. With `doc_mask`, a packed
+    batch's doc_ids keep its documents apart."""
+    input_ids = batch["input_ids"]
+    if input_ids.device.type == "cpu":  # --loader-free's batches on the device were checked there
+        check_vocabulary(input_ids, tok)
     input_ids = input_ids.to(device, non_blocking=True).long()
     if "loss_mask" in batch:
         mask = batch["loss_mask"].to(device, non_blocking=True)
@@ -425,12 +437,15 @@ class SampleTrace:
 
 
 def log_line(tag: str, epoch: int, step: int, total_steps: int, loss: float, tokens_per_s: float,
-             mfu: float | None, data_wait: float, mem_gib: float | None, stats: dict | None) -> str:
+             mfu: float | None, data_wait: float, thread_ms: float, mem_gib: float | None,
+             stats: dict | None) -> str:
     """The reference's fields first, in its order (epoch, step, loss, tok/s, mfu, q, fetch/tx),
-    so a tool that parses its lines still works; this project's data_wait and mem after them."""
+    so a tool that parses its lines still works; this project's data_wait, the training
+    thread's CPU per step on getting batches (`loader`), and mem after them."""
     return (f"{tag}epoch {epoch} step {step}/{total_steps} | loss {loss:.4f} | {tokens_per_s:,.0f} tok/s | "
             f"mfu {'n/a' if mfu is None else f'{mfu:.1%}'}" + format_loader_stats(stats)
-            + f" | data_wait {data_wait:.1%}" + ("" if mem_gib is None else f" | mem {mem_gib:.1f} GiB"))
+            + f" | data_wait {data_wait:.1%} | loader {thread_ms:.1f}ms"
+            + ("" if mem_gib is None else f" | mem {mem_gib:.1f} GiB"))
 
 
 # ── Training ──────────────────────────────────────────────────────────────────
@@ -519,7 +534,7 @@ def train_locked(args, rank: int, world_size: int, device: torch.device, num_spl
     trace = SampleTrace(args.trace_samples, rank) if args.trace_samples else None
     try:
         stopped, last = train_loop(run, state, model, trainable, opt, loader_state, stop, trace)
-        if last is not None and state.opt_step != state.last_saved:  # the end of the run is always resumable
+        if last is not None and state.opt_step != state.last_saved and not args.loader_free:  # always resumable
             save(run, state, model, opt, *last)
         end_on_record_fault(run, state, trace)
         if stopped:
@@ -602,11 +617,9 @@ def train_loop(run: Run, state: TrainState, model, trainable, opt, loader_state,
     nothing was trained).
     """
     args, device, world_size = run.args, run.device, run.world_size
-    done = bool(args.steps) and state.opt_step >= args.steps
     clock = WaitClock()
-    batches = clock.timed(() if done else train_batches(args, run.data, run.rank, world_size, device,
-                                                        run.num_splits, state.epoch, loader_state))
-    interval = Interval(time.perf_counter(), state.opt_step, 0.0)
+    batches = clock.timed(batch_source(run, state, loader_state))
+    interval = Interval(time.perf_counter(), state.opt_step, 0.0, 0.0)
     vote = preemption.StopVote(world_size, device)
     stopped, last, micro = False, None, 0
     for epoch, ds, batch in batches:
@@ -634,8 +647,8 @@ def train_loop(run: Run, state: TrainState, model, trainable, opt, loader_state,
             trace.commit(state.opt_step, epoch)
 
         if state.opt_step % args.log_every == 0:
-            interval = log_progress(run, state, interval, clock.waited, loss, opt.param_groups[0]["lr"], ds)
-        if state.opt_step % args.ckpt_every == 0:
+            interval = log_progress(run, state, interval, clock, loss, opt.param_groups[0]["lr"], ds)
+        if state.opt_step % args.ckpt_every == 0 and not args.loader_free:
             interval = interval.excluding(save(run, state, model, opt, epoch, ds, batch))
         if args.eval_every and state.opt_step % args.eval_every == 0:
             started = time.perf_counter()
@@ -653,6 +666,19 @@ def train_loop(run: Run, state: TrainState, model, trainable, opt, loader_state,
     return stopped, last
 
 
+def batch_source(run: Run, state: TrainState, loader_state):
+    """The loop's (epoch, loader position, micro-batch)s: made ahead on a thread of their own
+    (prefetch.py), or --loader-free's pool kept on the device; none once --steps is reached."""
+    args = run.args
+    if args.steps and state.opt_step >= args.steps:
+        return ()
+    items = train_batches(args, run.data, run.rank, run.world_size, run.device, run.num_splits,
+                          state.epoch, loader_state)
+    if args.loader_free:
+        return loader_free_batches(items, args.loader_free, run.device, lambda ids: check_vocabulary(ids, run.tok))
+    return prefetched(items, run.device)
+
+
 @dataclass(frozen=True)
 class Interval:
     """The start of a --log-every interval: tok/s, MFU and data_wait are measured over it.
@@ -660,33 +686,36 @@ class Interval:
 
     time: float
     step: int
-    waited: float  # the WaitClock's total then
+    waited: float  # the WaitClock's totals then
+    thread_s: float
 
     def excluding(self, seconds: float) -> Interval:
         return dataclasses.replace(self, time=self.time + seconds)
 
 
-def log_progress(run: Run, state: TrainState, since: Interval, waited: float, loss, lr: float, ds) -> Interval:
+def log_progress(run: Run, state: TrainState, since: Interval, clock: WaitClock, loss, lr: float,
+                 position) -> Interval:
     """The log line and the metrics record of the interval that ends now; returns the next one."""
     args = run.args
     seen = checked_tokens(state, run.world_size)
     if run.device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - since.time
-    data_wait = slowest_share(waited - since.waited, elapsed, run.world_size, run.device)
+    data_wait = slowest_share(clock.waited - since.waited, elapsed, run.world_size, run.device)
     if run.rank == 0:
-        tps = (state.opt_step - since.step) * args.batch_size * run.world_size * args.grad_accum \
-            * args.seq_len / elapsed
+        steps = state.opt_step - since.step
+        tps = steps * args.batch_size * run.world_size * args.grad_accum * args.seq_len / elapsed
         mfu = run.flops_per_token * tps / (run.world_size * run.peak_flops) if run.peak_flops else None
-        stats = loader_stats(ds)
+        thread_ms = 1000 * (clock.thread_s - since.thread_s) / steps
+        stats = {**(loader_stats(position) or {}), "thread_ms_per_step": round(thread_ms, 4)}
         mem = torch.cuda.max_memory_allocated(run.device) / 2**30 if run.device.type == "cuda" else None
         print(log_line(run.tag, state.epoch, state.opt_step, run.total_steps, loss.item(), tps, mfu,
-                       data_wait, mem, stats), flush=True)
+                       data_wait, thread_ms, mem, loader_stats(position)), flush=True)
         if run.metrics:
             run.metrics.write("train", step=state.opt_step, epoch=state.epoch, loss=loss.item(), lr=lr,
                               tokens_per_s=tps, mfu=mfu, data_wait=data_wait, max_mem_gib=mem,
                               tokens_seen=seen, loader=stats)
-    return Interval(time.perf_counter(), state.opt_step, waited)
+    return Interval(time.perf_counter(), state.opt_step, clock.waited, clock.thread_s)
 
 
 def checked_tokens(state: TrainState, world_size: int) -> int:

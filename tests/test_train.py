@@ -49,17 +49,17 @@ def test_log_line_starts_with_the_reference_fields_in_order(smoke_run):
     for line in lines:
         found = REFERENCE_LINE.match(line)
         assert found, line
-        assert re.fullmatch(r" \| data_wait \d+\.\d%", found["rest"]), line  # no mem on the CPU
+        assert re.fullmatch(r" budget \d+\.\ds \| data_wait \d+\.\d% \| loader \d+\.\dms", found["rest"]), line  # no mem on the CPU
 
 
 def test_log_line_puts_new_fields_after_the_reference_ones():
     stats = dict(unscanned_rows=1, raw_queue_depth=2, prefetch_queue_depth=3, consumed_rows=4,
-                 fetch_s=1.25, transform_s=0.5)
-    line = train.log_line("", 2, 30, 100, 3.14159, 12345.6, 0.4321, 0.05, 7.25, stats)
+                 fetch_s=1.25, transform_s=0.5, budget_wait_s=150.25)
+    line = train.log_line("", 2, 30, 100, 3.14159, 12345.6, 0.4321, 0.05, 0.125, 7.25, stats)
     assert line == ("epoch 2 step 30/100 | loss 3.1416 | 12,346 tok/s | mfu 43.2% | q 1/2/3/4 | "
-                    "fetch 1.2s tx 0.5s | data_wait 5.0% | mem 7.2 GiB")
-    baseline = train.log_line("[mosaic] ", 0, 5, 9, 1.0, 10.0, None, 0.5, None, None)  # no lance counters
-    assert baseline == "[mosaic] epoch 0 step 5/9 | loss 1.0000 | 10 tok/s | mfu n/a | data_wait 50.0%"
+                    "fetch 1.2s tx 0.5s budget 150.2s | data_wait 5.0% | loader 0.1ms | mem 7.2 GiB")
+    baseline = train.log_line("[mosaic] ", 0, 5, 9, 1.0, 10.0, None, 0.5, 2.0, None, None)  # no lance counters
+    assert baseline == "[mosaic] epoch 0 step 5/9 | loss 1.0000 | 10 tok/s | mfu n/a | data_wait 50.0% | loader 2.0ms"
 
 
 def test_compiled_run_does_not_recompile_for_checkpoints_or_evals(demo_db, tmp_path):
@@ -299,7 +299,8 @@ def test_metrics_file_has_a_record_per_log_step_and_plots(demo_db, tmp_path, cap
     assert [r["step"] for r in logged] == [2, 4, 6, 8]  # --log-every 2
     for r in logged:
         assert r["mfu"] is None and r["loss"] > 0 and r["lr"] > 0 and r["tokens_per_s"] > 0
-        assert set(r["loader"]) >= {"consumed_rows", "fetch_s", "transform_s"}
+        assert set(r["loader"]) >= {"consumed_rows", "fetch_s", "transform_s", "budget_wait_s"}
+        assert 0 <= r["loader"]["thread_ms_per_step"] < 1000
     seen = [r["tokens_seen"] for r in logged]
     assert seen == sorted(seen) and seen[0] > 0
     evals = [r for r in records if r["kind"] == "eval"]
