@@ -17,7 +17,13 @@ and, on one GPU only, with --deterministic (what bit-exact resume costs). Each r
 one GPU and, where there are more, on all local GPUs under torchrun. Flags after `--`
 go to every train.py run as they are (`-- --num-workers 2`, `-- --table web --tokenizer
 hf:gpt2` with --db). Each run's log and metrics file stay in --workdir; its checkpoint
-is deleted once read. Meant to take about 10 minutes on one H100/H200 node (compiling
+is deleted once read.
+
+Each variant also runs on one GPU with no loader (`train.py --loader-free 8`): the same
+compiled model, optimizer, autocast and --doc-mask, cycling over 8 real micro-batches drawn
+once and kept on the GPU. That is the ceiling the loader is measured against: vs_ceiling is
+a fed run's tok/s per GPU over its variant's ceiling, side by side in one check (1.00: the
+loader costs the step nothing). Meant to take about 10 minutes on one H100/H200 node (compiling
 the model once per run is most of it).
 
 Figures come from the runs' --metrics-file train records (one per --log-every steps,
@@ -31,6 +37,8 @@ loader's start-up and torch.compile. Per run:
   device's dense bf16 peak (train.PEAK_BF16_FLOPS); n/a for a device not listed.
 - data_wait: the share of wall time the slowest rank spent waiting for its next batch.
   Near 0% the loader keeps up; a few percent or more means the GPUs wait on data.
+- loader_ms: the training thread's CPU ms per optimizer step spent getting its batches
+  (the metrics' loader.thread_ms_per_step): time the GPU's kernels are not launched.
 - peak mem: torch.cuda.max_memory_allocated on rank 0 (the allocator's cache and
   fragmentation come on top).
 - compile s: how much longer the first log interval took than a steady one: torch.compile
@@ -47,9 +55,9 @@ ranks. Its figures mean nothing.
 
 Output: a table on stdout, progress on stderr, JSON at --out ({"machine", "settings",
 "correctness": {"passed", "failed", "skipped", "measured", "log"}, "results":
-[{"variant", "devices", "tokens_per_s", "tokens_per_s_per_device", "scaling", "mfu",
-"data_wait", "peak_mem_gib", "compile_s", "epochs", "steps", "final_loss", "wall_s",
-"log"}]}).
+[{"variant", "loader" ("fed" or "none"), "devices", "tokens_per_s", "tokens_per_s_per_device",
+"scaling", "vs_ceiling", "mfu", "data_wait", "loader_thread_ms_per_step", "peak_mem_gib",
+"compile_s", "epochs", "steps", "final_loss", "wall_s", "log"}]}).
 """
 
 from __future__ import annotations
@@ -84,6 +92,10 @@ SKIP_RECORDS = 2  # the first log intervals hold loader start-up and torch.compi
 # name -> train.py flags; the last runs on one device only (its cost, not its scaling)
 VARIANTS = {"plain": [], "doc-mask": ["--doc-mask"], "deterministic": ["--deterministic"]}
 ONE_DEVICE_ONLY = {"deterministic"}
+# The ceiling of each variant: the same step on CEILING_POOL micro-batches kept on the device
+# (train.py --loader-free), one device. Several batches, so no step sees the same data twice
+# in a row; a few, so drawing them is over before the first record.
+CEILING_POOL = 8
 
 
 class TrainFailed(Exception):
@@ -127,9 +139,10 @@ def train_argv(opts, db: str, run_dir: str) -> list[str]:
             *(["--compile"] if not opts.dry_run else []), *opts.train_args]
 
 
-def run_train(opts, devices: int, db: str, variant: str) -> dict:
-    """One train.py run on `devices` ranks; its figures, summarized from its metrics file."""
-    run_dir = os.path.join(opts.workdir, f"{devices}dev-{variant}")
+def run_train(opts, devices: int, db: str, variant: str, ceiling: bool = False) -> dict:
+    """One train.py run on `devices` ranks (`ceiling`: with no loader, --loader-free); its
+    figures, summarized from its metrics file."""
+    run_dir = os.path.join(opts.workdir, f"{devices}dev-{variant}" + ("-ceiling" if ceiling else ""))
     shutil.rmtree(run_dir, ignore_errors=True)
     os.makedirs(run_dir)
     launch = [sys.executable, TRAIN] if devices == 1 else [
@@ -138,18 +151,20 @@ def run_train(opts, devices: int, db: str, variant: str) -> dict:
     if opts.dry_run:  # the CPU only, one thread per rank as torchrun sets it: both runs alike
         env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     log = os.path.join(run_dir, "train.log")
-    print(f"{devices} {opts.device}(s), {variant}: {opts.steps} steps of {opts.model} (log: {log})",
-          file=sys.stderr, flush=True)
+    loader = ["--loader-free", str(CEILING_POOL)] if ceiling else []
+    print(f"{devices} {opts.device}(s), {variant}{', no loader' if ceiling else ''}: {opts.steps} steps of "
+          f"{opts.model} (log: {log})", file=sys.stderr, flush=True)
     started = time.perf_counter()
     with open(log, "w") as f:
-        code = subprocess.run(launch + train_argv(opts, db, run_dir) + VARIANTS[variant], stdout=f,
+        code = subprocess.run(launch + train_argv(opts, db, run_dir) + VARIANTS[variant] + loader, stdout=f,
                               stderr=subprocess.STDOUT, env=env).returncode
     wall = time.perf_counter() - started
     if code != 0:
         with open(log) as f:
             print("".join(f.readlines()[-20:]), end="", file=sys.stderr)
-        raise TrainFailed(f"train.py on {devices} {opts.device}(s) ({variant}) exited with {code}; its log: {log}")
-    shutil.rmtree(os.path.join(run_dir, "ckpt"))  # ~1 GB for small, and nothing resumes it
+        raise TrainFailed(f"train.py on {devices} {opts.device}(s) ({variant}{', no loader' if ceiling else ''}) "
+                          f"exited with {code}; its log: {log}")
+    shutil.rmtree(os.path.join(run_dir, "ckpt"), ignore_errors=True)  # ~1 GB for small; the ceiling writes none
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         lines = [json.loads(line) for line in f]
     start = next(r for r in lines if r["kind"] == "start")
@@ -157,31 +172,41 @@ def run_train(opts, devices: int, db: str, variant: str) -> dict:
     steady = records[SKIP_RECORDS:]
 
     def median(key):
-        values = [r[key] for r in steady if r[key] is not None]
-        return statistics.median(values) if values else None
+        return median_of(steady, lambda r: r[key])
 
     mems = [r["max_mem_gib"] for r in records if r["max_mem_gib"] is not None]
     tps = median("tokens_per_s")
     interval_tokens = opts.log_every * start["tokens_per_step"]  # every record's interval is --log-every steps
     compile_s = interval_tokens / records[0]["tokens_per_s"] - interval_tokens / tps
-    return {"variant": variant, "devices": devices, "tokens_per_s": tps, "tokens_per_s_per_device": tps / devices,
+    return {"variant": variant, "loader": "none" if ceiling else "fed", "devices": devices,
+            "tokens_per_s": tps, "tokens_per_s_per_device": tps / devices,
             "mfu": median("mfu"), "data_wait": median("data_wait"), "peak_mem_gib": max(mems) if mems else None,
             "compile_s": round(max(compile_s, 0.0), 1),
             "epochs": records[-1]["epoch"] + 1, "steps": records[-1]["step"], "records_used": len(steady),
-            "final_loss": records[-1]["loss"], "wall_s": round(wall, 1), "log": log}
+            "final_loss": records[-1]["loss"], "wall_s": round(wall, 1),
+            "loader_thread_ms_per_step": median_of(steady, lambda r: (r.get("loader") or {}).get("thread_ms_per_step")),
+            "log": log}
+
+
+def median_of(records: list[dict], value) -> float | None:
+    values = [v for v in map(value, records) if v is not None]
+    return statistics.median(values) if values else None
 
 
 def print_table(results: list[dict], device: str) -> None:
     def pct(x):
         return "n/a" if x is None else f"{x:.1%}"
 
-    print(f"{'variant':<14}{device + 's':>5} {'tok/s':>12} {'tok/s/' + device:>12} {'scaling':>8} {'MFU':>7} "
-          f"{'data_wait':>10} {'peak mem':>10} {'compile s':>10} {'epochs':>7} {'wall s':>7}")
+    print(f"{'variant':<14}{'loader':>7}{device + 's':>5} {'tok/s':>12} {'tok/s/' + device:>12} {'scaling':>8} "
+          f"{'vs_ceiling':>10} {'MFU':>7} {'data_wait':>10} {'loader_ms':>10} {'peak mem':>10} {'compile s':>10} "
+          f"{'epochs':>7} {'wall s':>7}")
     for r in results:
         mem = "n/a" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.1f} GiB"
-        print(f"{r['variant']:<14}{r['devices']:>5} {r['tokens_per_s']:>12,.0f} {r['tokens_per_s_per_device']:>12,.0f} "
-              f"{r['scaling']:>8.2f} {pct(r['mfu']):>7} {pct(r['data_wait']):>10} {mem:>10} "
-              f"{r['compile_s']:>10.1f} {r['epochs']:>7} {r['wall_s']:>7.0f}")
+        vs = "n/a" if r.get("vs_ceiling") is None else f"{r['vs_ceiling']:.3f}"
+        ms = "n/a" if r["loader_thread_ms_per_step"] is None else f"{r['loader_thread_ms_per_step']:.2f}"
+        print(f"{r['variant']:<14}{r['loader']:>7}{r['devices']:>5} {r['tokens_per_s']:>12,.0f} "
+              f"{r['tokens_per_s_per_device']:>12,.0f} {r['scaling']:>8.2f} {vs:>10} {pct(r['mfu']):>7} "
+              f"{pct(r['data_wait']):>10} {ms:>10} {mem:>10} {r['compile_s']:>10.1f} {r['epochs']:>7} {r['wall_s']:>7.0f}")
 
 
 # ── Main ─────────────────────────────────────────────────────────────────────────────
@@ -245,11 +270,19 @@ def gpu_check(opts) -> None:
             print(f"building the demo corpus in {db}", file=sys.stderr, flush=True)
             with contextlib.redirect_stdout(sys.stderr):  # stdout is for the table
                 prepare_data.build_demo(db, DEFAULT_TABLE)
-    results = [run_train(opts, devices, db, variant) for variant in VARIANTS for devices in counts
-               if devices == 1 or variant not in ONE_DEVICE_ONLY]
+    results = []
+    for variant in VARIANTS:  # each variant's ceiling right after its fed 1-device run: the same machine state
+        for devices in counts:
+            if devices == 1 or variant not in ONE_DEVICE_ONLY:
+                results.append(run_train(opts, devices, db, variant))
+            if devices == 1:
+                results.append(run_train(opts, 1, db, variant, ceiling=True))
     for r in results:
-        one = next(x for x in results if x["variant"] == r["variant"] and x["devices"] == 1)
+        one = next(x for x in results if (x["variant"], x["loader"], x["devices"]) == (r["variant"], r["loader"], 1))
+        ceiling = next(x for x in results if (x["variant"], x["loader"]) == (r["variant"], "none"))
         r["scaling"] = r["tokens_per_s_per_device"] / one["tokens_per_s_per_device"]
+        r["vs_ceiling"] = r["tokens_per_s_per_device"] / ceiling["tokens_per_s_per_device"] \
+            if r["loader"] == "fed" else None
         if r["epochs"] > 1:
             print(f"note: the {r['devices']}-{opts.device} run made {r['epochs']} passes over the corpus; each "
                   f"restarts the loader, which data_wait counts (--db a bigger corpus for the steady state)",

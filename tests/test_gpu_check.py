@@ -14,11 +14,12 @@ def test_dry_run_measures_one_then_two_ranks(tmp_path):
     proc = run_script("bench/gpu_check.py", "--dry-run", "--out", "gpu.json", "--workdir", "work",  # from cwd
                       cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    header, *rows = [line for line in proc.stdout.splitlines() if line.strip()][:6]
-    assert header.split() == ["variant", "cpus", "tok/s", "tok/s/cpu", "scaling", "MFU", "data_wait", "peak", "mem",
-                              "compile", "s", "epochs", "wall", "s"]
-    runs = [("plain", 1), ("plain", 2), ("doc-mask", 1), ("doc-mask", 2), ("deterministic", 1)]
-    assert [(row.split()[0], int(row.split()[1])) for row in rows] == runs
+    header, *rows = [line for line in proc.stdout.splitlines() if line.strip()][:9]
+    assert header.split() == ["variant", "loader", "cpus", "tok/s", "tok/s/cpu", "scaling", "vs_ceiling", "MFU",
+                              "data_wait", "loader_ms", "peak", "mem", "compile", "s", "epochs", "wall", "s"]
+    runs = [("plain", "fed", 1), ("plain", "none", 1), ("plain", "fed", 2), ("doc-mask", "fed", 1),
+            ("doc-mask", "none", 1), ("doc-mask", "fed", 2), ("deterministic", "fed", 1), ("deterministic", "none", 1)]
+    assert [(row.split()[0], row.split()[1], int(row.split()[2])) for row in rows] == runs
     assert "wrote gpu.json" in proc.stdout
     assert "building the demo corpus" in proc.stderr  # in the workdir, once, before every run
 
@@ -30,19 +31,31 @@ def test_dry_run_measures_one_then_two_ranks(tmp_path):
     assert correctness["passed"] == correctness["failed"] == 0 and correctness["skipped"] >= 6, correctness
     assert "correctness: 0 passed, 0 failed" in proc.stderr and "no CUDA device" in proc.stderr
     results = data["results"]
-    assert [(r["variant"], r["devices"]) for r in results] == runs
+    assert [(r["variant"], r["loader"], r["devices"]) for r in results] == runs
     for r in results:
         assert r["steps"] == 6 and r["records_used"] == 4, r
         assert r["tokens_per_s"] > 0 and r["tokens_per_s_per_device"] == pytest.approx(r["tokens_per_s"] / r["devices"])
         assert 0 <= r["data_wait"] <= 1 and r["compile_s"] >= 0, r
         assert r["mfu"] is None and r["peak_mem_gib"] is None, r  # no device peak, no CUDA memory on the CPU
         assert r["epochs"] == 1 and r["wall_s"] > 0, r
-        assert not (tmp_path / "work" / f"{r['devices']}dev-{r['variant']}" / "ckpt").exists()  # deleted once read
-    # scaling: a run's throughput per device over its own variant's 1-device run's, as printed
-    one_device = {r["variant"]: r["tokens_per_s_per_device"] for r in results if r["devices"] == 1}
+        assert r["loader_thread_ms_per_step"] >= 0, r
+        run_dir = tmp_path / "work" / (f"{r['devices']}dev-{r['variant']}" + ("-ceiling" if r["loader"] == "none" else ""))
+        assert not (run_dir / "ckpt").exists()  # deleted once read, or never written (the ceiling)
+        if r["loader"] == "none":  # no loader in the loop: no lance counters in its records
+            assert "saved " not in (run_dir / "train.log").read_text()
+            assert all(set(json.loads(line).get("loader") or {}) <= {"thread_ms_per_step"}
+                       for line in (run_dir / "metrics.jsonl").read_text().splitlines())
+    # scaling: a run's throughput per device over its own variant's 1-device run's, as printed;
+    # vs_ceiling: a fed run's over its variant's loader-free run's
+    one_device = {(r["variant"], r["loader"]): r["tokens_per_s_per_device"] for r in results if r["devices"] == 1}
     for r, row in zip(results, rows):
-        assert r["scaling"] == pytest.approx(r["tokens_per_s_per_device"] / one_device[r["variant"]]), r
-        assert row.split()[4] == f"{r['scaling']:.2f}", row
+        assert r["scaling"] == pytest.approx(r["tokens_per_s_per_device"] / one_device[r["variant"], r["loader"]]), r
+        assert row.split()[5] == f"{r['scaling']:.2f}", row
+        if r["loader"] == "fed":
+            assert r["vs_ceiling"] == pytest.approx(r["tokens_per_s_per_device"] / one_device[r["variant"], "none"])
+            assert row.split()[6] == f"{r['vs_ceiling']:.3f}", row
+        else:
+            assert r["vs_ceiling"] is None and row.split()[6] == "n/a", row
     log = (tmp_path / "work" / "1dev-doc-mask" / "train.log").read_text()
     assert "doc_mask=True" in log  # the doc-mask runs did run with the mask (the SDPA path on the CPU)
 
