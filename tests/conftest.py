@@ -334,3 +334,15 @@ def small_fs(tmp_path):
     yield mount
     for where in reversed(mounted):
         subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models on short rows gain nothing from a second intra-op thread, and on a busy
+    2-core machine it makes their passes many times slower."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
