@@ -41,6 +41,12 @@ MUTATIONS = (
              "        with trainable.no_sync() if world_size > 1 and not is_sync else contextlib.nullcontext():",
              "        with trainable.no_sync() if world_size > 1 else contextlib.nullcontext():",
              ("tests/test_grad_sync.py",)),
+    Mutation("checkpoint-at-the-prefetch-thread", "a checkpoint records where the prefetch thread has read to, "
+             "not the batch trained last", "data.py",
+             "        return self._state",
+             "        return self.dataset.state_dict()",
+             ("tests/test_prefetch.py::test_prefetched_batches_and_positions_equal_inline_ones",
+              "tests/test_train.py::test_exact_resume_matches_uninterrupted_run")),
     Mutation("resume-with-epoch-0-order", "a resume rebuilds its dataset with epoch 0's order", "data.py",
              "        self.dataset = source.dataset(epoch)",
              "        self.dataset = source.dataset(0 if loader_state is not None else epoch)",
