@@ -1,0 +1,57 @@
+"""The project's own files against what a clone may also hold: a virtual environment inside
+it (`.venv`, `venv`, or any name), installed packages, data and caches. A "no traceback of
+ours" check must tell them apart."""
+
+import os
+
+from conftest import REPO, frames_of_ours, is_project_file
+
+
+def make_clone(root):
+    """A clone as a newcomer has it: sources, a venv under each usual name and one under
+    another, packages installed with --target, a demo db and caches; returns the venv files."""
+    for path in ("train.py", "common.py", "tests/conftest.py", "bench/loaders.py", "data/lancedb/x.lance",
+                 "__pycache__/train.cpython-311.pyc", "lance_gpt_pretrain.egg-info/PKG-INFO",
+                 "lib/site-packages/six.py"):
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text("")
+    installed = []
+    for venv in (".venv", "venv", "py311"):
+        (root / venv).mkdir()
+        (root / venv / "pyvenv.cfg").write_text("home = /usr/bin\n")
+        run = root / venv / "lib/python3.11/site-packages/torch/distributed/run.py"
+        run.parent.mkdir(parents=True)
+        run.write_text("")
+        installed.append(run)
+    return installed
+
+
+def torchrun_report(run_py, ours=None):
+    """torchrun's ChildFailedError report as it reaches stderr, after the ranks' own lines;
+    with `ours`, a rank's traceback through that file first."""
+    rank = f'Traceback (most recent call last):\n  File "{ours}", line 7, in <module>\n    main()\nOSError\n' if ours else ""
+    return (f"error: no space left on the device (ENOSPC) writing ...\n{rank}"
+            "Traceback (most recent call last):\n"
+            '  File "<frozen runpy>", line 198, in _run_module_as_main\n'
+            f'  File "{run_py}", line 905, in main\n    run(args)\n'
+            "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"
+            "train.py FAILED\n  exitcode  : 3 (pid: 123)\n")
+
+
+def test_torchrun_in_a_venv_inside_the_clone_is_not_a_traceback_of_ours(tmp_path):
+    for run_py in make_clone(tmp_path):
+        assert frames_of_ours(torchrun_report(run_py), root=tmp_path) == []
+        assert frames_of_ours(torchrun_report(run_py, ours=tmp_path / "train.py"), root=tmp_path) == \
+            [f'File "{tmp_path / "train.py"}", line 7']
+
+
+def test_project_files_are_the_sources_only(tmp_path):
+    make_clone(tmp_path)
+    for ours in ("train.py", "tests/conftest.py", "bench/loaders.py"):
+        assert is_project_file(str(tmp_path / ours), root=tmp_path), ours
+    for other in ("lib/site-packages/six.py", "data/lancedb/x.lance", "__pycache__/train.cpython-311.pyc",
+                  "<frozen runpy>"):
+        assert not is_project_file(str(tmp_path / other) if "<" not in other else other, root=tmp_path), other
+    assert not is_project_file(os.__file__, root=tmp_path)
+    assert is_project_file(str(REPO / "train.py"))
+
