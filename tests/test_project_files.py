@@ -1,9 +1,10 @@
 """The project's own files against what a clone may also hold: a virtual environment inside
 it (`.venv`, `venv`, or any name), installed packages, data and caches. A "no traceback of
-ours" check must tell them apart."""
+ours" check and the mutation check's copy of the tree must both tell them apart."""
 
 import os
 
+import mutation_check
 from conftest import REPO, frames_of_ours, is_project_file
 
 
@@ -55,3 +56,11 @@ def test_project_files_are_the_sources_only(tmp_path):
     assert not is_project_file(os.__file__, root=tmp_path)
     assert is_project_file(str(REPO / "train.py"))
 
+
+def test_the_mutation_check_copies_the_sources_and_no_venv(tmp_path):
+    clone = tmp_path / "clone"
+    clone.mkdir()
+    make_clone(clone)
+    tree = mutation_check.copy_tree(tmp_path / "copy", clone)
+    copied = sorted(str(p.relative_to(tree)) for p in tree.rglob("*") if p.is_file())
+    assert copied == ["bench/loaders.py", "common.py", "tests/conftest.py", "train.py"]
