@@ -15,12 +15,12 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-def readme_command(prefix: str) -> str:
-    """The quick-start line of README.md that starts with `prefix`, minus the prefix."""
+def readme_command(marker: str) -> str:
+    """What follows `marker` on the first line of README.md that holds it."""
     for line in (REPO / "README.md").read_text().splitlines():
-        if line.startswith(prefix):
-            return line[len(prefix):]
-    raise AssertionError(f"README.md has no line starting with {prefix!r}")
+        if marker in line:
+            return line.split(marker, 1)[1]
+    raise AssertionError(f"README.md has no line holding {marker!r}")
 
 
 # The quick start's run command, as the README gives it: `python train.py ...`.
