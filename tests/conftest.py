@@ -63,7 +63,7 @@ def is_project_file(path, root=REPO) -> bool:
     return True
 
 
-_FRAME = re.compile(r'^\s*File "([^"]+)", line \d+', re.MULTILINE)
+_FRAME = re.compile(r'File "([^"]+)", line \d+')  # not anchored: ranks share stderr, lines interleave
 
 
 def frames_of_ours(stderr: str, root=REPO) -> list[str]:

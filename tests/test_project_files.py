@@ -47,6 +47,9 @@ def test_torchrun_in_a_venv_inside_the_clone_is_not_a_traceback_of_ours(tmp_path
         assert frames_of_ours(torchrun_report(run_py), root=tmp_path) == []
         assert frames_of_ours(torchrun_report(run_py, ours=tmp_path / "train.py"), root=tmp_path) == \
             [f'File "{tmp_path / "train.py"}", line 7']
+    # ranks share stderr: one rank's frame may land in the middle of another's line
+    interleaved = f'error: no space left on  File "{tmp_path / "common.py"}", line 7, in <module>\nthe device\n'
+    assert frames_of_ours(interleaved, root=tmp_path) == [f'File "{tmp_path / "common.py"}", line 7']
 
 
 def test_project_files_are_the_sources_only(tmp_path):
