@@ -1,8 +1,10 @@
 """Shared fixtures: the README smoke run (which also builds the demo corpus) and a runner for train.py."""
 
 import contextlib
+import fnmatch
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -13,16 +15,62 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-def readme_command(prefix: str) -> str:
-    """The quick-start line of README.md that starts with `prefix`, minus the prefix."""
+def readme_command(marker: str) -> str:
+    """What follows `marker` on the first line of README.md that holds it."""
     for line in (REPO / "README.md").read_text().splitlines():
-        if line.startswith(prefix):
-            return line[len(prefix):]
-    raise AssertionError(f"README.md has no line starting with {prefix!r}")
+        if marker in line:
+            return line.split(marker, 1)[1]
+    raise AssertionError(f"README.md has no line holding {marker!r}")
 
 
 # The quick start's run command, as the README gives it: `python train.py ...`.
 SMOKE_COMMAND = readme_command("pip install -e . && python ").split()
+
+
+# ── The project's own files, and what walking, copying or hashing the tree passes over ──
+
+# Not the project's sources: version control, caches, build and run output, the GPU payload,
+# virtual environments under the names people give them (any other directory holding
+# pyvenv.cfg is one too, see not_source) and installed packages (`pip install --target`).
+# Every walk, copy or hash of the tree uses this list.
+NOT_SOURCE = (".git", ".venv", "venv", "*site-packages*", "*dist-packages*", "__pycache__", ".pytest_cache",
+              "*.egg-info", "build", "dist", "data", "checkpoints", "runs", ".device", ".whl")
+
+
+def not_source(directory, names) -> set[str]:
+    """shutil.copytree's `ignore`: the names in `directory` that are not the project's sources
+    (NOT_SOURCE, and a virtual environment whatever its name)."""
+    return {name for name in names
+            if any(fnmatch.fnmatch(name, pattern) for pattern in NOT_SOURCE)
+            or os.path.isfile(os.path.join(directory, name, "pyvenv.cfg"))}
+
+
+def is_project_file(path, root=REPO) -> bool:
+    """`path` is one of the project's own files: under `root` and not inside anything
+    not_source skips, such as a virtual environment or installed packages kept in the clone."""
+    if not os.path.isabs(path):  # "<frozen runpy>", "<string>": no file at all
+        return False
+    root = Path(root).resolve()
+    try:
+        parts = Path(path).resolve().relative_to(root).parts
+    except ValueError:
+        return False
+    directory = root
+    for part in parts[:-1]:
+        if not_source(directory, [part]):
+            return False
+        directory /= part
+    return True
+
+
+_FRAME = re.compile(r'File "([^"]+)", line \d+')  # not anchored: ranks share stderr, lines interleave
+
+
+def frames_of_ours(stderr: str, root=REPO) -> list[str]:
+    """The traceback frames in `stderr` that name one of the project's own files. torchrun's
+    failure report is a traceback of torch's; in a clone that keeps its virtual environment
+    inside, torch's path starts with the clone's too, and must not count as ours."""
+    return [m[0].strip() for m in _FRAME.finditer(stderr) if is_project_file(m[1], root)]
 
 
 def run_script(script, *args, cwd, timeout=600, env=None):

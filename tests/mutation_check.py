@@ -22,8 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-SKIP = shutil.ignore_patterns(".git", "__pycache__", "*.egg-info", "data", "checkpoints", "runs", ".pytest_cache")
+from conftest import REPO, not_source  # run as a script, tests/ is on sys.path
 
 
 @dataclass(frozen=True)
@@ -113,9 +112,11 @@ MUTATIONS = (
 )
 
 
-def copy_tree(dest: Path) -> Path:
+def copy_tree(dest: Path, source: Path = REPO) -> Path:
+    """The project's sources copied to `dest`/tree: not a virtual environment kept in the
+    clone (a whole torch per bug), nor data, checkpoints or caches."""
     tree = dest / "tree"
-    shutil.copytree(REPO, tree, ignore=SKIP)
+    shutil.copytree(source, tree, ignore=not_source)
     return tree
 
 

@@ -26,8 +26,8 @@ import pytest
 import train
 from checkpoint import load_checkpoint
 from common import LEGACY_SCHEMA
-from conftest import (REPO, is_alive, kill_tree, pids_mentioning, run_train, run_trains, start_train, state_equal,
-                      wait_gone)
+from conftest import (frames_of_ours, is_alive, kill_tree, pids_mentioning, run_train, run_trains, start_train,
+                      state_equal, wait_gone)
 
 MB = 1 << 20
 # A tiny model's checkpoint with its optimizer state is about 10 MB: a 25 MB --ckpt-dir
@@ -101,7 +101,7 @@ def assert_storage_fault(code, stderr, *fragments, ranks=1):
     # ranks share torchrun's stderr, and a line's text and its newline are two writes
     errors = [e.strip() for e in re.findall(r"error: (?:(?!error: ).)*", stderr)]
     assert len(errors) == ranks and len(set(errors)) == 1, stderr
-    assert f'File "{REPO}' not in stderr, stderr
+    assert not frames_of_ours(stderr), stderr
     if ranks == 1:
         assert code == 3 and [line for line in stderr.splitlines() if line.strip()] == errors, stderr
     else:
