@@ -97,7 +97,45 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_distributed_flags(p.add_argument_group("distributed"))
     add_ab_flags(p.add_argument_group("A/B harness (pre-packed blocks, build_packed_datasets.py)"))
     add_observability_flags(p.add_argument_group("observability"))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.num_workers_note = resolve_num_workers(args)
+    return args
+
+
+def workers_flag(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an integer or 'auto' (got {text!r})") from None
+
+
+# --num-workers auto, measured with bench/loader_step.py (README 'Batches made off the
+# training thread'): lancedb's packer is Python, so in the training process it holds the
+# GIL the step's kernel launches need; in a worker process it does not. The row and blocks
+# transforms are numpy, for which a worker adds only the trip between processes. Below 4
+# cores a rank has no core to spare for a worker beside the training thread and lancedb's.
+AUTO_WORKERS_PACKED = 2
+AUTO_WORKERS_MIN_CORES = 4
+
+
+def resolve_num_workers(args) -> str:
+    """--num-workers auto, made a number in place from this rank's share of the cores (under
+    torchrun, LOCAL_WORLD_SIZE ranks share the node); returns how it was chosen."""
+    if args.num_workers != "auto":
+        return ""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores_per_rank = cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    splits_per_rank = (args.num_splits or args.batch_size * world_size) // world_size
+    args.num_workers = 0
+    if not args.pack or args.blocks_mode != "off":
+        return "auto: 0, the transform is numpy (no --pack)"
+    if cores_per_rank < AUTO_WORKERS_MIN_CORES:
+        return f"auto: 0, {cores_per_rank} core(s) for this rank (a worker needs {AUTO_WORKERS_MIN_CORES})"
+    args.num_workers = next((n for n in range(AUTO_WORKERS_PACKED, 0, -1) if splits_per_rank % n == 0), 0)
+    return f"auto: {args.num_workers}, --pack with {cores_per_rank} cores for this rank"
 
 
 def add_data_flags(g) -> None:
@@ -169,9 +207,11 @@ def add_loader_flags(g) -> None:
                    "Arrow (split between --num-workers); each split may always hold about two read "
                    "batches beyond it. 0 = no bound (lancedb 0.40's default, which reads ahead until "
                    "it holds the rank's whole epoch share). See README 'Bounded read-ahead'")
-    g.add_argument("--num-workers", type=int, default=0,
+    g.add_argument("--num-workers", type=workers_flag, default="auto", metavar="N|auto",
                    help="loader worker processes per rank (StreamingDataLoader); num_splits must be "
-                   "divisible by world_size * num_workers")
+                   "divisible by world_size * num_workers. auto: with --pack, 2 (or 1, as num_splits "
+                   "allows) where the rank has at least 4 cores, else 0; without --pack, 0 (README "
+                   "'Batches made off the training thread')")
     g.add_argument("--mp-context", default="forkserver", choices=["forkserver", "spawn"],
                    help="start method for --num-workers (never fork under CUDA)")
     g.add_argument("--blocks-per-epoch", default="", metavar="N|auto",
@@ -511,7 +551,9 @@ def train_locked(args, rank: int, world_size: int, device: torch.device, num_spl
     model = make_model(args.model, tok.vocab_size, args.seq_len).to(device)
     print0(f"model={args.model} params={model.num_params():,} pack={args.pack} world_size={world_size} "
            f"global_batch={global_batch} num_splits={num_splits} compile={args.compile} "
-           f"num_workers={args.num_workers}" + (" doc_mask=True" if args.doc_mask else "")
+           f"num_workers={args.num_workers}"
+           + (f" ({args.num_workers_note})" if args.num_workers_note else "")
+           + (" doc_mask=True" if args.doc_mask else "")
            + (f" blocks_mode={args.blocks_mode}" if args.blocks_mode != "off" else ""))
     opt = make_optimizer(model, args, device)
     state = TrainState(epoch=0, opt_step=0, tokens=torch.zeros((), dtype=torch.int64, device=device),

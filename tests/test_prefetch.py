@@ -197,3 +197,23 @@ def test_the_training_thread_does_a_fraction_of_the_inline_work(corpus):
     inline = thread_ms(data.train_batches(args, data_, 0, 1, CPU, num_splits, 0, None))
     made_ahead = thread_ms(data.prefetched(data.train_batches(args, data_, 0, 1, CPU, num_splits, 0, None), CPU))
     assert made_ahead < inline / 3, (made_ahead, inline)
+
+
+@pytest.mark.parametrize("cores, local_ranks, flags, expected", [
+    (16, 4, ("--pack",), 2),  # 4 cores a rank: the packer goes to 2 workers
+    (16, 4, ("--pack", "--batch-size", "3"), 1),  # 3 splits a rank: 2 workers cannot share them
+    (16, 8, ("--pack",), 0),  # 2 cores a rank: none to spare
+    (16, 1, (), 0),  # rows: a numpy transform
+    (16, 1, ("--blocks-mode", "lance", "--blocks-path", "b"), 0),
+])
+def test_num_workers_auto_follows_the_cores_a_rank_has(monkeypatch, cores, local_ranks, flags, expected):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_ranks))
+    args = train.parse_args(list(flags))
+    assert args.num_workers == expected and args.num_workers_note.startswith(f"auto: {expected}")
+    assert train.parse_args([*flags, "--num-workers", "1"]).num_workers == 1  # a number is taken as it is
+
+
+def test_the_start_up_line_says_what_auto_chose(smoke_run):
+    proc, _ = smoke_run
+    assert "num_workers=0 (auto: 0, the transform is numpy (no --pack))" in proc.stdout, proc.stdout
