@@ -93,21 +93,35 @@ def base_mode(mode: str) -> str:
 
 class LanceEpochs:
     """train.py's in-process loader: a fresh StreamingDataset per epoch (the epoch reseeds
-    the shuffle), built ahead for epoch 0 so that construction counts as setup."""
+    the shuffle), built ahead for epoch 0 so that construction counts as setup. Its batches
+    are made on train.py's prefetch thread (data.prefetched), or with `inline` on the
+    thread that takes them, as train.py made them before it."""
 
-    def __init__(self, make_dataset, args):
-        self.make_dataset, self.args = make_dataset, args
+    def __init__(self, make_dataset, args, inline: bool = False):
+        self.make_dataset, self.args, self.inline = make_dataset, args, inline
         self.datasets = [make_dataset(0)]
 
     def epoch(self, e: int):
         while len(self.datasets) <= e:
             self.datasets.append(self.make_dataset(len(self.datasets)))
-        return data.make_loader(self.datasets[e], self.args, torch.device("cpu"), self.args.batch_size)
+        batches = data.make_loader(self.datasets[e], self.args, torch.device("cpu"), self.args.batch_size)
+        return batches if self.inline else prefetched_batches(batches)
 
     def stats(self) -> dict:
         """Seconds the loader's own threads spent (summed over threads): where the time went."""
         return {"fetch_s": round(sum(ds.fetch_time for ds in self.datasets), 3),
                 "transform_s": round(sum(ds.transform_time for ds in self.datasets), 3)}
+
+
+def prefetched_batches(batches):
+    """`batches` made on a prefetch thread, as train.py's loop takes them; stopping early
+    stops the thread."""
+    prefetcher = data.prefetched(((0, None, batch) for batch in batches), torch.device("cpu"))
+    try:
+        for _, _, batch in prefetcher:
+            yield batch
+    finally:
+        prefetcher.close()
 
 
 class Bench:
@@ -148,7 +162,8 @@ class Bench:
             "--seq-len", str(self.seq_len), "--batch-size", str(self.opts.batch_size), "--pack",
             "--min-score", repr(self.opts.min_score), "--shuffle-seed", str(shuffle_seed),
             "--read-batch-size", str(read_batch_size), "--io-queue-depth", str(io_queue_depth),
-            "--transform-parallelism", str(transform_parallelism), "--loader-buffer-mb", str(buffer_mb)])
+            "--transform-parallelism", str(transform_parallelism), "--loader-buffer-mb", str(buffer_mb),
+            "--num-workers", "0"])  # the lance paths run in-process
         train.check_args(args, 1)
         return args
 
@@ -166,13 +181,14 @@ class Bench:
             source = data.corpus_source(args, self.tok, TRAIN_FILTER, packed=True,
                                          blocks_per_epoch=plan.blocks_per_epoch)
             return LanceEpochs(lambda e: data.make_dataset(
-                args, self.corpus, 0, 1, epoch=e, shuffle=True, num_splits=num_splits, **source), args)
+                args, self.corpus, 0, 1, epoch=e, shuffle=True, num_splits=num_splits, **source), args,
+                self.opts.inline)
         if mode == "lance":
             args = self.train_args(*lance_settings, shuffle_seed=shuffle_seed, buffer_mb=buffer_mb)
             transform = functools.partial(blocks_loaders.blocks_to_samples, seq_len=self.seq_len)
             return LanceEpochs(lambda e: data.make_dataset(
                 args, self.blocks_table, 0, 1, epoch=e, shuffle=True, num_splits=num_splits,
-                transform=transform), args)
+                transform=transform), args, self.opts.inline)
         return blocks_loaders.BlocksEpochs(
             mode, blocks_path(self.opts.blocks, FORMAT[mode]), rank=0, world_size=1,
             batch_size=self.opts.batch_size, seed=SEED, num_workers=self.opts.workers,
@@ -211,14 +227,19 @@ def timed_run(bench: Bench, mode: str, min_tokens: int, lance_settings=None) -> 
     loader = bench.loader(mode, lance_settings)
     setup_s = time.perf_counter() - t0
     tokens = first_tokens = epochs = 0
-    epoch_first_batch_s = []
+    epoch_first_batch_s, thread_s = [], []
     start = time.perf_counter()
     t_first = None
     while tokens < min_tokens:
         epoch_start, epoch_tokens = time.perf_counter(), 0
         epochs += 1
         it = iter(loader.epoch(epochs - 1))
-        for batch in it:
+        while True:
+            cpu = time.thread_time()
+            batch = next(it, None)
+            if batch is None:
+                break
+            thread_s.append(time.thread_time() - cpu)
             ids = batch["input_ids"]
             ids.sum()  # touch every token: nothing is skipped lazily
             tokens += ids.numel()
@@ -237,7 +258,8 @@ def timed_run(bench: Bench, mode: str, min_tokens: int, lance_settings=None) -> 
     run = {"tokens_per_s": (tokens - first_tokens) / (end - t_first) if steady else tokens / (end - start),
            "first_batch_s": round(t_first - start, 4), "setup_s": round(setup_s, 4),
            "tokens": tokens, "epochs": epochs, "seconds": round(end - start, 3),
-           "epoch_first_batch_s": epoch_first_batch_s}
+           "epoch_first_batch_s": epoch_first_batch_s,
+           "thread_ms": round(1000 * statistics.median(thread_s[1:] or thread_s), 4)}
     if isinstance(loader, LanceEpochs):
         run.update(loader.stats())
     release(loader)
@@ -247,6 +269,7 @@ def timed_run(bench: Bench, mode: str, min_tokens: int, lance_settings=None) -> 
 def summarize(runs: list[dict]) -> dict:
     rates = [r["tokens_per_s"] for r in runs]
     return {"tokens_per_s": statistics.median(rates), "min": min(rates), "max": max(rates),
+            "thread_ms": statistics.median(r["thread_ms"] for r in runs),
             "first_batch_s": statistics.median(r["first_batch_s"] for r in runs),
             "setup_s": statistics.median(r["setup_s"] for r in runs), "runs": runs}
 
@@ -386,14 +409,16 @@ def mode_settings(mode: str, opts) -> str:
 
 def print_table(results: list[dict], opts) -> None:
     print(f"\n{'mode':<15}{'tokens/s':>12}  {'min - max':<25}{'first batch s':>14}{'epoch start s':>14}"
-          f"{'setup s':>9}  settings")
+          f"{'setup s':>9}{'thread ms':>10}  settings")
     for r in results:
         span = f"{r['min']:,.0f} - {r['max']:,.0f}"
         later = [s for run in r["runs"] for s in run["epoch_first_batch_s"][1:]]
         restart = f"{statistics.median(later):.3f}" if later else "-"
         print(f"{r['mode']:<15}{r['tokens_per_s']:>12,.0f}  {span:<25}{r['first_batch_s']:>14.3f}{restart:>14}"
-              f"{r['setup_s']:>9.3f}  {mode_settings(r['mode'], opts)}")
-    print("(epoch start s: median wait for the first batch of epochs after the first, inside tokens/s)")
+              f"{r['setup_s']:>9.3f}{r['thread_ms']:>10.3f}  {mode_settings(r['mode'], opts)}")
+    print("(epoch start s: median wait for the first batch of epochs after the first, inside tokens/s;\n"
+          " thread ms: the median CPU ms per batch of the thread that takes the batches, as train.py's\n"
+          " training thread: lance paths " + ("made inline, --inline)" if opts.inline else "made on the prefetch thread)"))
     by_mode = {r["mode"]: r["tokens_per_s"] for r in results}
     if "lance" in by_mode and "mosaic" in by_mode:
         print(f"lance / mosaic: {by_mode['lance'] / by_mode['mosaic']:.2f}x")
@@ -499,6 +524,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--min-score", type=float, default=None,
                    help="lance-docs quality cutoff (default: the manifest's source filter)")
     p.add_argument("--sweep", action="store_true", help="also sweep the lance loader settings")
+    p.add_argument("--inline", action="store_true",
+                   help="the lance paths' batches made on the thread that takes them (train.py before "
+                        "its prefetch thread), to set thread ms side by side with the default")
     p.add_argument("--sweep-min-tokens", type=int, default=None,
                    help="tokens per sweep run (default: a quarter of --min-tokens; 32 runs)")
     storage.add_argument(p)

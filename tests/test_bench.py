@@ -39,12 +39,31 @@ def test_loaders_quick_measures_and_checks_every_path(blocks, tmp_path):
     assert data["machine"]["logical_cores"] >= 1 and data["settings"]["batch_size"] == 32
     assert {r["mode"] for r in data["results"]} == MODES
     for r in data["results"]:
-        assert r["tokens_per_s"] > 0 and r["runs"], r["mode"]
+        assert r["tokens_per_s"] > 0 and r["runs"] and r["thread_ms"] >= 0, r["mode"]
         assert r["check"]["ok"] is True, (r["mode"], r["check"])
         assert f"check {r['mode']}: ok" in proc.stdout
     assert (tmp_path / "x.png").stat().st_size > 0
     assert "lance / mosaic:" in proc.stdout
     assert "lance-docs bounded at 256 MiB / unbounded:" in proc.stdout
+
+
+def test_loader_step_measures_each_path_and_worker_count(blocks, tmp_path):
+    """bench/loader_step.py end to end on a small corpus: every (path, workers) pair, an
+    epoch boundary in each, the training thread's CPU and the process tree's memory."""
+    root, db = blocks
+    out = tmp_path / "step.json"
+    proc = run_script("bench/loader_step.py", "--db", db, "--table", "corpus", "--paths", "rows,pack",
+                      "--workers", "0,1", "--batch-size", "4", "--seq-len", "64", "--step-ms", "2",
+                      "--epochs", "2", "--out", out, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads(out.read_text())["results"]
+    assert [(r["path"], r["workers"]) for r in results] == [("rows", 0), ("rows", 1), ("pack", 0), ("pack", 1)]
+    for r in results:
+        assert r["batches"] > 10 and len(r["boundary_s"]) == len(r["neighbours_s"]) == 1, r
+        assert 0 < r["thread_ms"] and r["others_ms"] > 0 and 0 <= r["data_wait"] <= 1, r
+        assert r["peak_rss_mib"] > 100 and r["step_slowdown"] > 0, r
+        assert bool(r["worker_threads"]) == (r["workers"] > 0), r  # a worker's threads were seen
+    assert "wrote " in proc.stdout
 
 
 def test_loaders_without_blocks_is_a_one_line_error(tmp_path):
