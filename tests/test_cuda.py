@@ -191,3 +191,25 @@ def test_resume_on_one_gpu_repeats_the_uninterrupted_run(demo_db, tmp_path, path
                                      "deterministic_bitwise": bitwise, "default_max_abs_diff": loose_gap,
                                      "default_bitwise": loose_bitwise}))
     assert bitwise, f"--deterministic resume differs from the straight run by up to {gap:.3e}"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_loop_receives_pinned_batches(demo_db, workers):
+    """Every batch the training loop takes is pinned, also when it was re-formed from the
+    workers' batches: a copy from pageable memory syncs the stream before it starts, and
+    the GPU then idles between steps (what slowed the H200's step with --num-workers)."""
+    import data
+    from common import load_tokenizer
+
+    args = train.parse_args(["--db", demo_db, "--pack", "--seq-len", "64", "--batch-size", "4",
+                             "--num-workers", str(workers)])
+    num_splits = train.check_args(args, 1)
+    device = torch.device("cuda", 0)
+    tok = load_tokenizer("byte")
+    source = data.open_training_data(args, tok, 0, 1, device, num_splits, args.batch_size)
+    batches = data.prefetched(data.train_batches(args, source, 0, 1, device, num_splits, 0, None), device)
+    try:
+        for _, (_, _, batch) in zip(range(3), batches):
+            assert all(value.is_pinned() for value in batch.values()), {k: v.is_pinned() for k, v in batch.items()}
+    finally:
+        batches.close()
