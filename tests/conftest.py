@@ -107,6 +107,27 @@ def save_bpe(directory, texts, special_tokens, **named):
     return tk.get_vocab_size()
 
 
+def docs_table(db, docs, *, scores=None, dups=None, splits=None) -> str:
+    """A byte-tokenizer corpus table 'corpus' in `db` whose rows are `docs` (token id lists)
+    in order: row i has id i and digest i; every row scores 2.0, is no duplicate and is a
+    training row unless `scores`, `dups` or `splits` say otherwise per row. Returns `db`."""
+    import lancedb
+    import pyarrow as pa
+
+    from common import corpus_schema, load_tokenizer
+
+    n = len(docs)
+    table = pa.table({
+        "id": pa.array(range(n), pa.int64()), "text": [""] * n,
+        "input_ids": pa.array(docs, pa.list_(pa.int32())), "n_tokens": pa.array(map(len, docs), pa.int32()),
+        "score": pa.array(scores or [2.0] * n, pa.float32()), "is_dup": list(dups or [False] * n),
+        "split": list(splits or ["train"] * n),
+        "digest": pa.array([i.to_bytes(16, "little") for i in range(n)], pa.binary(16)),
+    }, schema=corpus_schema(load_tokenizer("byte")))
+    lancedb.connect(str(db)).create_table("corpus", table)
+    return str(db)
+
+
 @pytest.fixture(scope="session")
 def smoke_run(tmp_path_factory):
     """`python train.py --model tiny --steps 40` in a fresh directory: builds the default demo db there."""

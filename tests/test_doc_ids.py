@@ -6,16 +6,15 @@ the model tests build doc_ids by hand, so only these catch a packer (or a loader
 whose doc_ids are off by one, shared by two documents, or lost on the way.
 """
 
-import lancedb
 import numpy as np
-import pyarrow as pa
 import pytest
 import torch
 import torch.nn.functional as F
 
 import data
 import train
-from common import corpus_schema, load_tokenizer
+from common import load_tokenizer
+from conftest import docs_table
 from model import make_model
 
 TOK = load_tokenizer("byte")
@@ -30,14 +29,7 @@ DOCS = 48
 LOSS_TOL = 1e-5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model's passes over 32-token pieces gain nothing from a second intra-op
-    thread, and on a busy 2-core machine it makes them ten times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -46,15 +38,7 @@ def corpus(tmp_path_factory):
     rng = np.random.default_rng(0)
     docs = [tuple(rng.integers(0, 256, int(n)).tolist()) for n in rng.choice(LENGTHS, DOCS)]
     assert len(set(docs)) == DOCS
-    table = pa.table({
-        "id": pa.array(range(DOCS), pa.int64()), "text": [""] * DOCS,
-        "input_ids": pa.array(docs, pa.list_(pa.int32())), "n_tokens": pa.array(map(len, docs), pa.int32()),
-        "score": pa.array([2.0] * DOCS, pa.float32()), "is_dup": [False] * DOCS, "split": ["train"] * DOCS,
-        "digest": pa.array([i.to_bytes(16, "little") for i in range(DOCS)], pa.binary(16)),
-    }, schema=corpus_schema(TOK))
-    db = tmp_path_factory.mktemp("doc_ids") / "db"
-    lancedb.connect(str(db)).create_table("corpus", table)
-    return str(db), set(docs)
+    return docs_table(tmp_path_factory.mktemp("doc_ids") / "db", docs), set(docs)
 
 
 def packed_epoch(db, num_workers=0):

@@ -30,17 +30,15 @@ reference"), the loop follows the project, each departure named where it is:
 import dataclasses
 import math
 
-import lancedb
 import numpy as np
-import pyarrow as pa
 import pytest
 import torch
 import torch.nn.functional as F
 
 import data
 import train
-from common import block_hashes, corpus_schema, load_tokenizer
-from conftest import read_trace
+from common import block_hashes, load_tokenizer
+from conftest import docs_table, read_trace
 from model import make_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -149,15 +147,7 @@ def db(tmp_path_factory):
     SEQ_LEN are padded, longer ones cut."""
     rng = np.random.default_rng(0)
     docs = [rng.integers(0, 256, int(rng.integers(SEQ_LEN // 4, 2 * SEQ_LEN))).tolist() for _ in range(DOCS)]
-    table = pa.table({
-        "id": pa.array(range(DOCS), pa.int64()), "text": [""] * DOCS,
-        "input_ids": pa.array(docs, pa.list_(pa.int32())), "n_tokens": pa.array(map(len, docs), pa.int32()),
-        "score": pa.array([2.0] * DOCS, pa.float32()), "is_dup": [False] * DOCS, "split": ["train"] * DOCS,
-        "digest": pa.array([i.to_bytes(16, "little") for i in range(DOCS)], pa.binary(16)),
-    }, schema=corpus_schema(TOK))
-    path = tmp_path_factory.mktemp("reference_step") / "db"
-    lancedb.connect(str(path)).create_table("corpus", table)
-    return str(path)
+    return docs_table(tmp_path_factory.mktemp("reference_step") / "db", docs)
 
 
 @dataclasses.dataclass

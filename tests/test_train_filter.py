@@ -11,13 +11,12 @@ training batch or, with the model in eval mode, an evaluation batch. Reading the
 back would not catch a filter that is well formed but wrong.
 """
 
-import lancedb
-import pyarrow as pa
 import pytest
 import torch
 
 import train
-from common import corpus_schema, load_tokenizer
+from common import load_tokenizer
+from conftest import docs_table
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -47,16 +46,9 @@ def corpus(tmp_path_factory):
             category_of[token] = category
             rows.append(([token] * LENGTHS[token % len(LENGTHS)], split, is_dup, score))
     docs, splits, dups, scores = zip(*rows)
-    n = len(rows)
-    table = pa.table({
-        "id": pa.array(range(n), pa.int64()), "text": [""] * n,
-        "input_ids": pa.array(docs, pa.list_(pa.int32())), "n_tokens": pa.array(map(len, docs), pa.int32()),
-        "score": pa.array(scores, pa.float32()), "is_dup": list(dups), "split": list(splits),
-        "digest": pa.array([i.to_bytes(16, "little") for i in range(n)], pa.binary(16)),
-    }, schema=corpus_schema(TOK))
-    db = tmp_path_factory.mktemp("train_filter") / "db"
-    lancedb.connect(str(db)).create_table("corpus", table)
-    return str(db), category_of
+    db = docs_table(tmp_path_factory.mktemp("train_filter") / "db", docs, scores=list(scores), dups=dups,
+                    splits=splits)
+    return db, category_of
 
 
 def documents(input_ids: torch.Tensor) -> list[int]:
