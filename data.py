@@ -144,10 +144,10 @@ def make_loader(ds, args, device: torch.device, splits_per_rank: int):
 
 def init_worker(worker_id: int) -> None:
     """DataLoader worker_init_fn: Ctrl-C is the rank's to handle (preemption.ignore_interrupts),
-    and torch's own thread pool stays at one thread. A worker's torch work (a tensor per
-    block, collating) is tiny, but each idle OpenMP pool of cpu_count threads spins after it,
-    and every worker of every rank has one: together they oversubscribe the node's cores
-    and take them from the threads that launch the GPU's kernels."""
+    and torch's intra-op pool stays at one thread. A worker's torch work (a tensor per block,
+    collating) is too small to split, and a pool of cpu_count threads in every worker of
+    every rank is that many more threads for the node's scheduler beside the ones that
+    launch the GPU's kernels."""
     preemption.ignore_interrupts(worker_id)
     torch.set_num_threads(1)
 
@@ -617,14 +617,13 @@ def slowest_share(waited: float, elapsed: float, world_size: int, device: torch.
 def loader_stats(position) -> dict | None:
     """The lancedb loader's queue and timing counters, where the source has them. `fetch_s`
     is time spent reading; `budget_wait_s` is time reads waited for read-ahead budget
-    (--loader-buffer-mb), which lancedb counts as fetch time."""
+    (--loader-buffer-mb), which bounded_streaming.py keeps out of lancedb's fetch time."""
     if position is None:
         return None
     ds = position.dataset
-    budget_wait = getattr(ds, "budget_wait_time", 0.0)
     return dict(unscanned_rows=ds.unscanned_rows, raw_queue_depth=ds.raw_queue_depth,
                 prefetch_queue_depth=ds.prefetch_queue_depth, consumed_rows=ds.consumed_rows,
-                fetch_s=round(max(ds.fetch_time - budget_wait, 0.0), 3), budget_wait_s=round(budget_wait, 3),
+                fetch_s=round(ds.fetch_time, 3), budget_wait_s=round(ds.budget_wait_time, 3),
                 transform_s=round(ds.transform_time, 3))
 
 
