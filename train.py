@@ -749,14 +749,14 @@ def log_progress(run: Run, state: TrainState, since: Interval, clock: WaitClock,
         tps = steps * args.batch_size * run.world_size * args.grad_accum * args.seq_len / elapsed
         mfu = run.flops_per_token * tps / (run.world_size * run.peak_flops) if run.peak_flops else None
         thread_ms = 1000 * (clock.thread_s - since.thread_s) / steps
-        stats = {**(loader_stats(position) or {}), "thread_ms_per_step": round(thread_ms, 4)}
+        counters = loader_stats(position)
         mem = torch.cuda.max_memory_allocated(run.device) / 2**30 if run.device.type == "cuda" else None
         print(log_line(run.tag, state.epoch, state.opt_step, run.total_steps, loss.item(), tps, mfu,
-                       data_wait, thread_ms, mem, loader_stats(position)), flush=True)
+                       data_wait, thread_ms, mem, counters), flush=True)
         if run.metrics:
             run.metrics.write("train", step=state.opt_step, epoch=state.epoch, loss=loss.item(), lr=lr,
                               tokens_per_s=tps, mfu=mfu, data_wait=data_wait, max_mem_gib=mem,
-                              tokens_seen=seen, loader=stats)
+                              tokens_seen=seen, loader={**(counters or {}), "thread_ms_per_step": round(thread_ms, 4)})
     return Interval(time.perf_counter(), state.opt_step, clock.waited, clock.thread_s)
 
 
