@@ -258,7 +258,8 @@ class MemoryBench(Bench):
             loader_buffer_mb=spec["budget_mb"] or 0,
             workers=spec["workers"], read_batch_size=spec["read_batch_size"],
             io_queue_depth=TRAIN_DEFAULTS.io_queue_depth,
-            transform_parallelism=TRAIN_DEFAULTS.transform_parallelism))
+            transform_parallelism=TRAIN_DEFAULTS.transform_parallelism,
+            inline=False))  # batches made on the prefetch thread, as train.py makes them
 
     def train_args(self, *settings, **named):
         args = super().train_args(*settings, **named)
@@ -273,7 +274,7 @@ class MemoryBench(Bench):
         args = self.train_args(o.read_batch_size, o.io_queue_depth, o.transform_parallelism)
         source = data.corpus_source(args, self.tok, TRAIN_FILTER, packed=False)
         return LanceEpochs(lambda e: data.make_dataset(args, self.corpus, 0, 1, epoch=e, shuffle=True,
-                                                        num_splits=o.batch_size, **source), args)
+                                                        num_splits=o.batch_size, **source), args, o.inline)
 
     def rows_total(self, mode: str) -> int:
         """Rows of the permutation the lance path reads (all splits of the rank)."""
