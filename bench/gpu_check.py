@@ -17,14 +17,15 @@ and, on one GPU only, with --deterministic (what bit-exact resume costs). Each r
 one GPU and, where there are more, on all local GPUs under torchrun. Flags after `--`
 go to every train.py run as they are (`-- --num-workers 2`, `-- --table web --tokenizer
 hf:gpt2` with --db). Each run's log and metrics file stay in --workdir; its checkpoint
-is deleted once read.
+is deleted once read. Compiling the model once per run is most of the time, and the
+ceilings below add three such runs to the three (one GPU) or five before them (not yet timed on a GPU;
+issue 29 sizes the check to its 7 minutes).
 
 Each variant also runs on one GPU with no loader (`train.py --loader-free 8`): the same
 compiled model, optimizer, autocast and --doc-mask, cycling over 8 real micro-batches drawn
 once and kept on the GPU. That is the ceiling the loader is measured against: vs_ceiling is
 a fed run's tok/s per GPU over its variant's ceiling, side by side in one check (1.00: the
-loader costs the step nothing). Meant to take about 10 minutes on one H100/H200 node (compiling
-the model once per run is most of it).
+loader costs the step nothing).
 
 Figures come from the runs' --metrics-file train records (one per --log-every steps,
 rank 0): the median over all records but the first two, whose intervals hold the
