@@ -174,6 +174,19 @@ def loader_free_batches(items, count: int, device: torch.device, check: Callable
         yield from itertools.cycle(pool)
 
 
+def random_batches(count: int, batch_size: int, seq_len: int, vocab_size: int, device: torch.device) -> Iterator:
+    """`count` micro-batches of uniform random ids in [0, vocab_size), made on `device` and
+    cycled for ever (--loader-free --random-ids): the step at a vocabulary no tokenizer here
+    has, with no corpus read. Each row is one document and every position a target."""
+    g = torch.Generator(device=device).manual_seed(0)
+    pool = []
+    for _ in range(count):
+        ids = torch.randint(0, vocab_size, (batch_size, seq_len), device=device, generator=g)
+        pool.append((0, None, {"input_ids": ids, "doc_ids": torch.zeros_like(ids),
+                               "loss_mask": torch.ones_like(ids, dtype=torch.bool)}))
+    yield from itertools.cycle(pool)
+
+
 def stop_loaders() -> None:
     """Stop the worker processes of the loaders still running: a training loop that failed
     leaves its own suspended, and a rank leaves by os._exit, which would orphan them (and

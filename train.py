@@ -44,7 +44,8 @@ from common import (DEFAULT_DB, DEFAULT_TABLE, VAL_FILTER, StorageFault, Tokeniz
                     block_hashes, is_remote, load_tokenizer)
 from data import (DEFAULT_LOADER_BUFFER_MB, TrainingData, WaitClock, check_validation_data, corpus_source,
                   data_filter, format_loader_stats, loader_free_batches, loader_stats, make_dataset,
-                  open_training_data, prefetched, read_ahead_line, slowest_share, stop_loaders, train_batches)
+                  open_training_data, prefetched, random_batches, read_ahead_line, slowest_share, stop_loaders,
+                  train_batches)
 from distributed import first_fault, print0, replica_digests, setup_distributed
 from metrics import MetricsLog, RunRecords, TensorBoardLog, append_record, record_fault, summary_writer_class
 from model import MODEL_SIZES, make_model
@@ -269,6 +270,11 @@ def add_observability_flags(g) -> None:
                    help="benchmark the training step alone: draw N micro-batches once, keep them on the "
                    "device and cycle over them, so no loader runs in the loop (bench/gpu_check.py's "
                    "ceiling, which the fed run's tok/s is compared with); writes no checkpoint")
+    g.add_argument("--random-ids", type=int, default=0, metavar="VOCAB",
+                   help="with --loader-free: the model has a VOCAB-id vocabulary and the pool holds "
+                   "uniform random ids drawn on the device, not the loader's batches: the step at a "
+                   "shape no tokenizer here has (bench/gpu_check.py's GPT-2 124M ceiling: --model small "
+                   "--random-ids 50304); the corpus still plans the run and gives the final eval")
     g.add_argument("--trace-samples", default="", metavar="DIR",
                    help="append one JSON line per optimizer step to DIR/rank{R}.jsonl with a hash of "
                    "every sample the rank trained on (to check sample order across topologies)")
@@ -290,12 +296,15 @@ def check_args(args, world_size: int) -> int:
                         ("--eval-batches", args.eval_batches), ("--warmup-steps", args.warmup_steps),
                         ("--lr-total-steps", args.lr_total_steps), ("--keep-last", args.keep_last),
                         ("--transform-queue-depth", args.transform_queue_depth),
-                        ("--loader-buffer-mb", args.loader_buffer_mb), ("--loader-free", args.loader_free)):
+                        ("--loader-buffer-mb", args.loader_buffer_mb), ("--loader-free", args.loader_free),
+                        ("--random-ids", args.random_ids)):
         if value < 0:
             raise UserError(f"{flag} must not be negative (got {value})")
     if args.loader_free and args.resume:
         raise UserError("--loader-free benchmarks the step on batches it keeps on the device and writes no "
                         "checkpoint: it cannot --resume")
+    if args.random_ids and not args.loader_free:
+        raise UserError("--random-ids fills --loader-free's pool: pass --loader-free N with it")
     if args.doc_mask and not args.pack:
         raise UserError("--doc-mask needs --pack: only the loader's packed blocks carry the "
                         "document boundaries (doc_ids) it masks by")
@@ -547,6 +556,7 @@ def train_locked(args, rank: int, world_size: int, device: torch.device, num_spl
     if ckpt is not None:
         checkpoint.check_resume_config(ckpt.get("config", {}), config, path)
 
+    tok = run_vocabulary(args, tok)  # after the corpus is opened: it checks the tokenizer it was made with
     torch.manual_seed(1234)
     model = make_model(args.model, tok.vocab_size, args.seq_len).to(device)
     print0(f"model={args.model} params={model.num_params():,} pack={args.pack} world_size={world_size} "
@@ -591,6 +601,17 @@ def train_locked(args, rank: int, world_size: int, device: torch.device, num_spl
     finally:  # rank 0's records: every one is flushed already; this ends the TensorBoard writer's thread
         if metrics:
             metrics.close()
+
+
+def run_vocabulary(args, tok: Tokenizer) -> Tokenizer:
+    """The tokenizer, widened to --random-ids' vocabulary where asked: the model is built for
+    it, and its ids pass the vocabulary check. Narrower would lose the eval's corpus ids."""
+    if not args.random_ids:
+        return tok
+    if args.random_ids < tok.vocab_size:
+        raise UserError(f"--random-ids {args.random_ids} is smaller than the {tok.vocab_size}-id vocabulary "
+                        f"of --tokenizer {tok.spec}, whose ids the final eval reads")
+    return dataclasses.replace(tok, vocab_size=args.random_ids, spec=f"{tok.spec} (--random-ids {args.random_ids})")
 
 
 def restore(model, opt, state: TrainState, ckpt: dict, path: str, args, tok, rank: int) -> None:
@@ -716,6 +737,8 @@ def batch_source(run: Run, state: TrainState, loader_state):
         return ()
     items = train_batches(args, run.data, run.rank, run.world_size, run.device, run.num_splits,
                           state.epoch, loader_state)
+    if args.random_ids:
+        return random_batches(args.loader_free, args.batch_size, args.seq_len, args.random_ids, run.device)
     if args.loader_free:
         return loader_free_batches(items, args.loader_free, run.device, lambda ids: check_vocabulary(ids, run.tok))
     return prefetched(items, run.device)

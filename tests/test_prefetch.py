@@ -1,12 +1,14 @@
 """Batches made off the training thread (prefetch.py, data.train_batches): the same batches
 and checkpoint positions as made inline, errors at the batch where they happen, the next
 epoch's loader started before this one runs dry, read-ahead waits kept out of fetch time,
-and --loader-free's loop with no loader in it.
+and --loader-free's loop with no loader in it (also on --random-ids of a vocabulary no
+tokenizer here has).
 
 Sample order and resume across topologies are held by test_elastic.py and
 test_resume_epochs.py, which now run through the prefetch thread too.
 """
 
+import itertools
 import threading
 import time
 
@@ -17,8 +19,9 @@ import torch
 import bounded_streaming
 import data
 import train
-from common import load_tokenizer, synthetic_corpus
+from common import UserError, load_tokenizer, synthetic_corpus
 from conftest import assert_user_error, run_script
+from model import make_model
 from prefetch import Prefetcher
 
 TOK = load_tokenizer("byte")
@@ -173,6 +176,33 @@ def test_loader_free_refuses_resume(demo_db, tmp_path):
     proc = run_script("train.py", "--db", demo_db, "--loader-free", "3", "--resume", "auto",
                       "--ckpt-dir", tmp_path / "ck", cwd=tmp_path)
     assert_user_error(proc, "--loader-free", "cannot --resume")
+
+
+def test_random_ids_train_a_model_of_their_vocabulary(demo_db, tmp_path):
+    """--loader-free --random-ids: the model is built for the given vocabulary (bigger than the
+    byte tokenizer's), and the pool's ids span it, so no id is refused on the way."""
+    proc = run_script("train.py", "--db", demo_db, "--model", "tiny", "--seq-len", "64", "--batch-size", "4",
+                      "--pack", "--steps", "4", "--log-every", "2", "--loader-free", "2", "--random-ids", "50304",
+                      "--ckpt-dir", tmp_path / "ck", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"params={make_model('tiny', 50304, 64).num_params():,} " in proc.stdout
+    assert "final: opt_step=4" in proc.stdout
+
+
+def test_random_batches_are_made_on_the_device_within_the_vocabulary():
+    pool = list(itertools.islice(data.random_batches(2, 3, 16, 50304, torch.device("cpu")), 4))
+    assert [batch["input_ids"].shape for _, _, batch in pool] == [(3, 16)] * 4
+    assert pool[2][2] is pool[0][2] and not torch.equal(pool[0][2]["input_ids"], pool[1][2]["input_ids"])
+    ids = torch.cat([batch["input_ids"] for _, _, batch in pool[:2]])
+    assert 0 <= int(ids.min()) and int(ids.max()) < 50304 and int(ids.max()) >= 258  # past the byte ids
+    assert all(batch["loss_mask"].all() and not batch["doc_ids"].any() for _, _, batch in pool)
+
+
+def test_random_ids_need_loader_free_and_the_tokenizers_ids():
+    with pytest.raises(UserError, match="--random-ids fills --loader-free's pool"):
+        train.check_args(train.parse_args(["--random-ids", "50304"]), 1)
+    with pytest.raises(UserError, match="smaller than the 258-id vocabulary"):
+        train.run_vocabulary(train.parse_args(["--loader-free", "2", "--random-ids", "100"]), load_tokenizer("byte"))
 
 
 def test_the_training_thread_does_a_fraction_of_the_inline_work(corpus):
