@@ -3,7 +3,9 @@
 Nothing here can run on a CPU: bf16 autocast on CUDA, FlexAttention's backward (which
 `--pack --doc-mask` trains with: "FlexAttention does not support backward on CPU"), the
 fused AdamW, `--compile` with inductor's CUDA kernels, bit-exact resume on CUDA. Skipped
-with a reason where CUDA is absent; `python bench/gpu_check.py` runs this file first.
+with a reason where CUDA is absent; `python bench/gpu_check.py` runs this file first, in a
+time limit of 150 s: every train.py run here starts at once (the `runs` fixture) and the
+in-process checks share what does not depend on the path they check (`doc_mask_truths`).
 
 Tolerances of the document-mask checks. Every path is compared with one truth: the
 float32 eager model through the explicit SDPA mask (`document_mask(..., flex=False)`, the
@@ -26,8 +28,10 @@ run backward on a CPU; T = 100 and 1024): float32 alone 5e-7 to 9e-7, bf16 SDPA 
 unmasked batch 1.3, fifty times that.
 """
 
+import functools
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -100,25 +104,34 @@ def discrepancy(path, truth) -> float:
     return max(errors)
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("T", [100, 1024])
-def test_doc_mask_flex_attention_matches_the_sdpa_mask_and_documents_alone(T, compiled):
+@functools.cache
+def doc_mask_truths(T: int) -> tuple:
+    """The model, the packed batch and the paths both the eager and the compiled check compare
+    against, computed once per T: only FlexAttention's own paths differ between the two."""
     torch.manual_seed(0)
     model = make_model("tiny", 256, T).cuda()
     ids, doc_ids, mask = (t.cuda() for t in packed_batch(T))
-    run = torch.compile(model) if compiled else model
-
     truth = loss_and_grads(model, lambda: model(ids, mask, doc_ids, flex=False), bf16=False)
-    fp32 = {
-        "flex": loss_and_grads(model, lambda: run(ids, mask, doc_ids, flex=True), bf16=False),
-        "alone": loss_and_grads(model, lambda: alone_loss(model, ids, doc_ids, mask), bf16=False),
-    }
+    fp32_alone = loss_and_grads(model, lambda: alone_loss(model, ids, doc_ids, mask), bf16=False)
     bf16 = {
         "sdpa": loss_and_grads(model, lambda: model(ids, mask, doc_ids, flex=False), bf16=True),
-        "flex": loss_and_grads(model, lambda: run(ids, mask, doc_ids, flex=True), bf16=True),
         "alone": loss_and_grads(model, lambda: alone_loss(model, ids, doc_ids, mask), bf16=True),
     }
     unmasked = loss_and_grads(model, lambda: model(ids, mask), bf16=False)
+    return model, (ids, doc_ids, mask), truth, fp32_alone, bf16, unmasked
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("T", [100, 1024])
+def test_doc_mask_flex_attention_matches_the_sdpa_mask_and_documents_alone(T, compiled):
+    model, (ids, doc_ids, mask), truth, fp32_alone, bf16_shared, unmasked = doc_mask_truths(T)
+    run = torch.compile(model) if compiled else model
+
+    fp32 = {"flex": loss_and_grads(model, lambda: run(ids, mask, doc_ids, flex=True), bf16=False),
+            "alone": fp32_alone}
+    bf16 = {"sdpa": bf16_shared["sdpa"],
+            "flex": loss_and_grads(model, lambda: run(ids, mask, doc_ids, flex=True), bf16=True),
+            "alone": bf16_shared["alone"]}
 
     errors = {f"fp32 {k}": discrepancy(v, truth) for k, v in fp32.items()}
     errors.update({f"bf16 {k}": discrepancy(v, truth) for k, v in bf16.items()})
@@ -144,14 +157,49 @@ def test_fused_adamw_is_used_and_steps():
     assert sum(not torch.equal(a, b) for a, b in zip(before, after)) == len(before)
 
 
-def test_compiled_doc_mask_run_learns_without_recompiling(demo_db, tmp_path):
+RESUME_PATHS = {"rows": [], "pack-doc-mask": ["--pack", "--doc-mask"]}
+
+
+def compiled_doc_mask_run(db, cwd):
+    return run_script("train.py", "--db", db, "--model", "tiny", "--pack", "--doc-mask", "--compile",
+                      "--seq-len", "256", "--batch-size", "8", "--steps", "40", "--log-every", "5",
+                      "--warmup-steps", "5", "--ckpt-every", "10", "--eval-every", "20", "--eval-batches", "2",
+                      "--ckpt-dir", cwd / "ck", cwd=cwd, env={"TORCH_LOGS": "recompiles"})
+
+
+def resume_run(db, cwd, path: str, deterministic: bool, split: bool):
+    """The straight 8-step run (`split` False), or the run cut at step 4 and resumed to step 8;
+    returns the checkpoint directory that holds step 8."""
+    common = ["--db", db, "--model", "tiny", "--seq-len", "128", "--batch-size", "4", "--grad-accum", "2",
+              "--warmup-steps", "2", "--lr-total-steps", "8", "--log-every", "2", "--eval-batches", "1",
+              *RESUME_PATHS[path], *(["--deterministic"] if deterministic else [])]
+    ck = cwd / f"{path}-{'split' if split else 'straight'}-{deterministic}"
+    legs = [["--steps", "4", "--ckpt-every", "4"], ["--steps", "8", "--resume", "auto"]] if split else [["--steps", "8"]]
+    for leg in legs:
+        proc = run_script("train.py", *common, "--ckpt-dir", ck, *leg, cwd=cwd)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    return ck
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runs(demo_db, tmp_path_factory):
+    """Every train.py run of this file, started together before the first check, each chain
+    on a thread of its own: the tiny runs share the GPU, and the in-process checks run
+    meanwhile. Sequential, their start-ups and compiles were most of this file's time. Running
+    side by side changes no bit of a --deterministic run (no kernel reads another process)."""
+    cwd = tmp_path_factory.mktemp("cuda_runs")
+    chains = {"compiled": (compiled_doc_mask_run, demo_db, cwd)}
+    chains.update({(path, deterministic, split): (resume_run, demo_db, cwd, path, deterministic, split)
+                   for path in RESUME_PATHS for deterministic in (True, False) for split in (False, True)})
+    with ThreadPoolExecutor(max_workers=len(chains)) as pool:
+        yield {key: pool.submit(*chain) for key, chain in chains.items()}
+
+
+def test_compiled_doc_mask_run_learns_without_recompiling(runs):
     """--compile --pack --doc-mask, the path that trains through FlexAttention's backward:
     the loss is finite and falls, and after the first step nothing compiles again (not
     the checkpoint's probe, not the evals: they run on the uncompiled module)."""
-    proc = run_script("train.py", "--db", demo_db, "--model", "tiny", "--pack", "--doc-mask", "--compile",
-                      "--seq-len", "256", "--batch-size", "8", "--steps", "40", "--log-every", "5",
-                      "--warmup-steps", "5", "--ckpt-every", "10", "--eval-every", "20", "--eval-batches", "2",
-                      "--ckpt-dir", tmp_path / "ck", cwd=tmp_path, env={"TORCH_LOGS": "recompiles"})
+    proc = runs["compiled"].result()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     losses = [float(loss) for _, loss in LOSS.findall(proc.stdout)]
     assert len(losses) == 8 and torch.isfinite(torch.tensor(losses)).all(), proc.stdout
@@ -160,25 +208,13 @@ def test_compiled_doc_mask_run_learns_without_recompiling(demo_db, tmp_path):
     assert not recompiles, "\n".join(recompiles)
 
 
-@pytest.mark.parametrize("path", ["rows", "pack-doc-mask"])
-def test_resume_on_one_gpu_repeats_the_uninterrupted_run(demo_db, tmp_path, path):
+@pytest.mark.parametrize("path", list(RESUME_PATHS))
+def test_resume_on_one_gpu_repeats_the_uninterrupted_run(runs, path):
     """With --deterministic a run cut at step 4 and resumed ends with the uninterrupted run's
     weights, bit for bit. Without it the difference is measured and printed (not asserted)."""
-    extra = ["--pack", "--doc-mask"] if path != "rows" else []
-    common = ["--db", demo_db, "--model", "tiny", "--seq-len", "128", "--batch-size", "4", "--grad-accum", "2",
-              "--warmup-steps", "2", "--lr-total-steps", "8", "--log-every", "2", "--eval-batches", "1", *extra]
-
-    def run(name, *args, deterministic=True):
-        ck = tmp_path / f"{name}-{deterministic}"
-        proc = run_script("train.py", *common, "--ckpt-dir", ck, *args,
-                          *(["--deterministic"] if deterministic else []), cwd=tmp_path)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        return ck
 
     def weights_gap(deterministic):
-        straight = run("straight", "--steps", "8", deterministic=deterministic)
-        split = run("split", "--steps", "4", "--ckpt-every", "4", deterministic=deterministic)
-        run("split", "--steps", "8", "--resume", "auto", deterministic=deterministic)
+        straight, split = (runs[path, deterministic, cut].result() for cut in (False, True))
         a = torch.load(straight / "step_00000008.pt", weights_only=True)["model"]
         b = torch.load(split / "step_00000008.pt", weights_only=True)["model"]
         assert a.keys() == b.keys() and a
