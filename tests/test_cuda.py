@@ -174,7 +174,8 @@ def resume_run(db, cwd, path: str, deterministic: bool, split: bool):
               "--warmup-steps", "2", "--lr-total-steps", "8", "--log-every", "2", "--eval-batches", "1",
               *RESUME_PATHS[path], *(["--deterministic"] if deterministic else [])]
     ck = cwd / f"{path}-{'split' if split else 'straight'}-{deterministic}"
-    legs = [["--steps", "4", "--ckpt-every", "4"], ["--steps", "8", "--resume", "auto"]] if split else [["--steps", "8"]]
+    legs = [["--steps", "4", "--ckpt-every", "4"], ["--steps", "8", "--resume", "auto"]] if split \
+        else [["--steps", "8"]]
     for leg in legs:
         proc = run_script("train.py", *common, "--ckpt-dir", ck, *leg, cwd=cwd)
         assert proc.returncode == 0, proc.stdout + proc.stderr
