@@ -605,15 +605,25 @@ def check_opts(opts) -> list[int]:
     return [1] if gpus == 1 else [1, gpus]
 
 
+def machine_figures() -> dict:
+    """loaders.machine_info, from a process of its own: it opens a CUDA context on GPU 0 for the
+    GPU's name, which this process, alive through every run, must not hold (its memory; a GPU
+    in exclusive-process mode would refuse the runs)."""
+    code = "import json, sys; sys.path[:0] = sys.argv[1:]; from loaders import machine_info; " \
+           "print(json.dumps(machine_info()))"
+    out = subprocess.run([sys.executable, "-c", code, REPO, os.path.dirname(os.path.abspath(__file__))],
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out.splitlines()[-1])
+
+
 def run_check(opts) -> Check:
     counts = check_opts(opts)
     multi_runs = 0 if opts.sweep or len(counts) == 1 else len(VARIANTS) - len(ONE_DEVICE_ONLY)
     check = Check(opts, opts.budget_s or BUDGET_S + MULTI_GPU_RUN_S * multi_runs)
     os.makedirs(opts.workdir, exist_ok=True)
-    from loaders import machine_info
     from train import peak_bf16_flops
 
-    machine = {**machine_info(), "gpu_count": torch.cuda.device_count(), "cuda": torch.version.cuda}
+    machine = {**machine_figures(), "gpu_count": torch.cuda.device_count(), "cuda": torch.version.cuda}
     peak = peak_bf16_flops(machine["gpu"])
     machine["gpu_bf16_peak_tflops"] = peak / 1e12 if peak else None
     db = opts.db or os.path.join(opts.workdir, "data", "lancedb")
