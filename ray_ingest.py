@@ -56,7 +56,7 @@ import storage
 from common import UserError, is_remote, out_of_space
 from digest_set import DigestSet
 
-SHARDS_PER_NODE = 2
+SHARDS_PER_NODE = 1  # dedup actors per node: each holds 16 bytes per distinct document of its shard
 AHEAD_PER_CPU = 2  # chunks in flight per cluster CPU: what the object store holds
 TASK_RETRIES = 3  # a task whose worker process dies runs again, this many times at most
 KILL_ONCE_ENV = "PREPARE_DATA_RAY_KILL_ONCE"  # tests: a map task kills its own process once
@@ -157,6 +157,8 @@ def worker_storage_options() -> dict:
             options[f"aws_{name}"] = value
     if endpoint := storage.endpoint_url():
         options["aws_endpoint"] = endpoint
+    if allow_http := storage.setting("allow_http"):
+        options["allow_http"] = allow_http
     return options
 
 
