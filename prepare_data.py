@@ -3,9 +3,10 @@
 Usage:
     python prepare_data.py INPUT [INPUT ...] [--db DIR] [--table NAME] [--tokenizer SPEC]
         [--val-fraction 0.02] [--min-chars 50] [--mode create|append|overwrite]
-        [--text-field text] [--score-field NAME] [--batch-size 1000] [--workers N]
+        [--text-field text] [--score-field NAME] [--batch-size 1000] [--workers N | --ray ADDRESS]
     python prepare_data.py --demo [--db DIR] [--table NAME] [--tokenizer SPEC] [--mode ...]
     python prepare_data.py --restore VERSION [--db DIR] [--table NAME]
+    python prepare_data.py --clean-fragments [--db DIR] [--table NAME]
 
 Inputs: a `.txt` file is one document; `.jsonl` / `.jsonl.gz` hold one JSON object per
 line, text under --text-field; `.parquet` has a --text-field column, read in record
@@ -36,6 +37,12 @@ Dedup keeps 16 bytes per distinct document (digest_set.DigestSet), and --mode ap
 reads only the table's `digest` column. An append to a table made before that column
 existed computes the digests of its rows once and writes them into the table, in the
 same commit (it rewrites the table once, so it costs as much as a fresh ingest).
+
+On a Ray cluster (--ray ADDRESS, 'auto' or 'local'; ray_ingest.py, the `ray` extra): the
+same per-chunk work runs as Ray tasks, dedup is sharded over Ray actors by digest, the
+workers write lance fragments and the driver commits them once: the same table, row for
+row, as --workers writes. --clean-fragments removes the fragment files of a --ray run
+killed before its commit.
 
 The whole run is one lance commit of a stream of record batches, so a run that fails or
 is killed (even SIGKILL) leaves the table at its previous version, rows and all; run it
@@ -761,8 +768,8 @@ def summarize(db: str, table: str, mode: str, start: float, stats: Counter, skip
           f"{seconds:.1f} s, {where}, {summary['tokens_per_s']:,} tokens/s")
     if ray is not None:
         summary["ray"] = ray
-        print(f"driver peak RSS {ray['driver_peak_rss_mib']:.0f} MiB; {ray['fragments']} fragments "
-              f"written by the workers, committed once by the driver")
+        print(f"driver: peak RSS {ray['driver_peak_rss_mib']:.0f} MiB, {ray['driver_cpu_s']:.1f} s of "
+              f"CPU; {ray['fragments']} fragments written by the workers, committed once by the driver")
     if replaced:
         summary["replaced_version"] = replaced[0]
         print(f"replaced version {replaced[0]} ({replaced[1]} rows) of {db}/{table}; to bring it "

@@ -216,7 +216,13 @@ def get(ref):
 
 
 def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    """This process's peak RSS: VmHWM, which exec resets (ru_maxrss keeps the RSS of the
+    parent this process was forked from, a bench's or a test's, before its exec)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+    except (OSError, StopIteration):  # not Linux
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # macOS: bytes
 
 
 def read_existing_digests(existing, shards: list) -> None:
@@ -239,6 +245,7 @@ def write_corpus(chunks: Iterable[pd_.Chunk], db: str, table: str, existing, mod
     """prepare_data.write_corpus's work on the cluster at `address` (see the module's
     docstring); updates `stats` and `skipped`; returns what the summary says of the cluster."""
     uri, created = table_uri(db, table), pd_.created_by_write(db, table)
+    cpu_start = pd_.cpu_seconds()
     if existing is None and not is_remote(db):
         pd_.remove_uncommitted(uri)  # what a killed create left: no version refers to it
     started_here = connect(address)
@@ -278,7 +285,8 @@ def write_corpus(chunks: Iterable[pd_.Chunk], db: str, table: str, existing, mod
             ray.shutdown()
     return {"nodes": nodes, "cpus": cpus, "shards": len(shards), "fragments": len(fragments),
             "shard_digests": [h[0] for h in held], "shard_bytes": [h[1] for h in held],
-            "driver_peak_rss_mib": round(peak_rss_mib(), 1)}
+            "driver_peak_rss_mib": round(peak_rss_mib(), 1),
+            "driver_cpu_s": round(pd_.cpu_seconds() - cpu_start, 2)}
 
 
 def run(chunks: Iterable[pd_.Chunk], uri: str, schema: pa.Schema, opts: pd_.RowOptions, encode,

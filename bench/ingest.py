@@ -202,8 +202,9 @@ def run_once(inputs: list[str], spec: str, workers: int, db: str, opts, keep: bo
            "main_process": main_process(stdout), "stdout": stdout.strip()[-2000:]}
     if ray:
         run["ray_workers_peak_rss_mib"] = round(peak["ray_workers_rss_mib"], 1)
-        driver = re.search(r"driver peak RSS (\d+) MiB", stdout)
+        driver = re.search(r"driver: peak RSS (\d+) MiB, ([\d.]+) s of CPU", stdout)
         run["driver_peak_rss_mib"] = int(driver[1]) if driver else None
+        run["driver_cpu_s"] = float(driver[2]) if driver else None
     if rc != 0:
         run["error"] = (stderr.strip().splitlines() or [f"exit code {rc}"])[-1][-2000:]
         return run
