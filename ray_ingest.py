@@ -41,7 +41,6 @@ import resource
 import signal
 import socket
 import sys
-import time
 from collections import Counter, deque
 from typing import Iterable, Iterator
 

@@ -182,6 +182,12 @@ def test_user_errors_and_no_ray_without_the_flag(cluster, tmp_path):
     assert_user_error(proc, f"{docs}:13", "--score-field 'score'")
     assert not db.exists()
 
+    without_ray = "import sys; sys.modules['ray'] = None; import prepare_data; prepare_data.main(sys.argv[1:])"
+    proc = subprocess.run([sys.executable, "-c", without_ray, docs, "--db", str(db), "--ray", cluster],
+                          cwd=REPO, capture_output=True, text=True)
+    assert_user_error(proc, "--ray needs Ray and pylance", "pip install -e '.[ray]'")
+    assert not db.exists()
+
     code = ("import sys, prepare_data; prepare_data.main(sys.argv[1:]); "
             "assert not {'ray', 'lance'} & set(sys.modules), 'imported'")
     proc = subprocess.run([sys.executable, "-c", code, docs, "--db", str(db), "--workers", "1"],
