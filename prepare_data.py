@@ -762,7 +762,7 @@ def summarize(db: str, table: str, mode: str, start: float, stats: Counter, skip
                "tokens_per_s": round(stats["tokens"] / seconds), **more}
     where = (f"{workers} worker{'s' * (workers > 1)}" if ray is None else
              f"Ray: {ray['nodes']} node{'s' * (ray['nodes'] > 1)}, {workers} CPUs, "
-             f"{ray['shards']} dedup shards")
+             f"{ray['shards']} dedup shard{'s' * (ray['shards'] > 1)}")
     print(f"wrote {summary['docs']} docs ({summary['tokens']} tokens) to {db}/{table} [{mode}]: "
           f"{summary['dups']} dups, {summary['val']} val; skipped {format_skipped(skipped)}; "
           f"{seconds:.1f} s, {where}, {summary['tokens_per_s']:,} tokens/s")

@@ -196,12 +196,15 @@ def test_user_errors_and_no_ray_without_the_flag(cluster, tmp_path):
 
 
 def test_local_ray_leaves_no_process(tmp_path):
-    """--ray local starts a Ray of its own and stops it: no Ray process outlives the command."""
-    docs = jsonl(tmp_path / "docs.jsonl", [prose(i) for i in range(30)])
+    """--ray local starts a Ray of its own (1 node, so 1 dedup shard) and stops it: the same
+    table as --workers 2, and no Ray process outlives the command."""
+    inputs = mixed_inputs(tmp_path)
+    ingest(inputs, str(tmp_path / "local"), "corpus", "byte", batch_size=7, workers=2)
     marker = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # named by this run's Ray processes
-    proc = run_script("prepare_data.py", docs, "--db", tmp_path / "db", "--ray", "local",
-                      "--batch-size", 10, cwd=REPO, env={"RAY_TMPDIR": marker,
-                                                        "RAY_object_store_memory": str(OBJECT_STORE)})
+    proc = run_script("prepare_data.py", *inputs, "--db", tmp_path / "db", "--ray", "local",
+                      "--batch-size", 7, cwd=REPO, env={"RAY_TMPDIR": marker,
+                                                       "RAY_object_store_memory": str(OBJECT_STORE)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert table_of(tmp_path / "db").count_rows() == 30
+    assert re.search(r"Ray: 1 node, \d+ CPUs, 1 dedup shard,", proc.stdout), proc.stdout
+    assert table_of(tmp_path / "db").to_arrow().equals(table_of(tmp_path / "local").to_arrow())
     assert not wait_gone(pids_mentioning(marker), timeout=20)
