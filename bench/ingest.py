@@ -4,6 +4,14 @@ Usage:
     python bench/ingest.py [--out bench/results/ingest.json] [--png FILE.png] [--input PATH ...]
         [--text-field text] [--docs N] [--workers 1,2,4] [--tokenizers byte,bpe] [--repeats 3]
         [--bpe-vocab 8192] [--bpe-sample-mb 4] [--timeout-s 1800]
+    python bench/ingest.py --ray [NODES|ADDRESS] [--docs N] [--tokenizers byte,bpe] [--repeats 2]
+
+--ray compares `prepare_data.py --ray` with `--workers N` (N: the cluster's CPUs) on the same
+input, interleaved, best of --repeats, and checks the two tables are equal: on a local cluster of
+NODES (default 2) nodes of 1 CPU each on 127.0.0.1, or on the cluster at ADDRESS. It reports
+tokens/s, the ratio, the driver's peak RSS (its own VmHWM, and again on a quarter of the input)
+and CPU, and the peak RSS of this machine's Ray worker processes; JSON at
+bench/results/ingest_ray.json. About 5 minutes on 2 cores.
 
 Each run is the whole command `python prepare_data.py INPUT --db TMP --table corpus --mode
 overwrite --tokenizer T --workers N` into a fresh temporary db, for N = 1 and the powers of two
