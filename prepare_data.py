@@ -3,9 +3,10 @@
 Usage:
     python prepare_data.py INPUT [INPUT ...] [--db DIR] [--table NAME] [--tokenizer SPEC]
         [--val-fraction 0.02] [--min-chars 50] [--mode create|append|overwrite]
-        [--text-field text] [--score-field NAME] [--batch-size 1000] [--workers N]
+        [--text-field text] [--score-field NAME] [--batch-size 1000] [--workers N | --ray ADDRESS]
     python prepare_data.py --demo [--db DIR] [--table NAME] [--tokenizer SPEC] [--mode ...]
     python prepare_data.py --restore VERSION [--db DIR] [--table NAME]
+    python prepare_data.py --clean-fragments [--db DIR] [--table NAME]
 
 Inputs: a `.txt` file is one document; `.jsonl` / `.jsonl.gz` hold one JSON object per
 line, text under --text-field; `.parquet` has a --text-field column, read in record
@@ -36,6 +37,12 @@ Dedup keeps 16 bytes per distinct document (digest_set.DigestSet), and --mode ap
 reads only the table's `digest` column. An append to a table made before that column
 existed computes the digests of its rows once and writes them into the table, in the
 same commit (it rewrites the table once, so it costs as much as a fresh ingest).
+
+On a Ray cluster (--ray ADDRESS, 'auto' or 'local'; ray_ingest.py, the `ray` extra): the
+same per-chunk work runs as Ray tasks, dedup is sharded over Ray actors by digest, the
+workers write lance fragments and the driver commits them once: the same table, row for
+row, as --workers writes. --clean-fragments removes the fragment files of a --ray run
+killed before its commit.
 
 The whole run is one lance commit of a stream of record batches, so a run that fails or
 is killed (even SIGKILL) leaves the table at its previous version, rows and all; run it
@@ -477,10 +484,11 @@ def open_existing(db: str, table: str):
         return None
 
 
-def existing_contents(tbl) -> tuple[DigestSet, int, bool]:
-    """The table's digests (reading only its 16-byte `digest` column), its next free id
-    (after its last row's: prepare_data gives ids in row order) and whether it predates the
-    digest column (then the caller computes the digests from `text`, once)."""
+def existing_contents(tbl, read_digests: bool = True) -> tuple[DigestSet, int, bool]:
+    """The table's digests (reading only its 16-byte `digest` column; none read without
+    `read_digests`), its next free id (after its last row's: prepare_data gives ids in row
+    order) and whether it predates the digest column (then the caller computes the digests
+    from `text`, once)."""
     schema = tbl.schema.remove_metadata()
     legacy = schema.equals(LEGACY_SCHEMA)
     if not (legacy or schema.equals(CORPUS_SCHEMA)):
@@ -490,7 +498,7 @@ def existing_contents(tbl) -> tuple[DigestSet, int, bool]:
     if rows == 0:
         return seen, 0, legacy
     last_id = tbl.take_offsets([rows - 1]).select(["id"]).to_arrow().column("id")[0].as_py()
-    if not legacy:
+    if read_digests and not legacy:
         with tqdm(total=rows, desc="reading digests", unit="doc", file=sys.stderr, delay=0.5,
                   mininterval=0.5, leave=False, disable=None) as bar:
             for batch in tbl.search().select(["digest"]).to_batches(READ_ROWS):
@@ -591,6 +599,18 @@ def commit(db: str, table: str, existing, mode: str, schema: pa.Schema,
         raise
 
 
+def corpus_batch(result: ChunkRows, first_id: int, is_dup: np.ndarray,
+                 schema: pa.Schema = CORPUS_SCHEMA) -> pa.RecordBatch:
+    """A chunk's rows as table rows: ids from `first_id` on, and the chunk's `is_dup`."""
+    rows, n = result.rows, result.rows.num_rows
+    ids = result.input_ids if result.input_ids is not None else byte_token_ids(rows.column("text"))
+    return pa.record_batch([
+        pa.array(np.arange(first_id, first_id + n, dtype=np.int64)), rows.column("text"),
+        ids, rows.column("n_tokens"), rows.column("score"),
+        pa.array(is_dup), rows.column("split"), rows.column("digest"),
+    ], schema=schema)
+
+
 def corpus_batches(results: Iterable[ChunkRows], seen: DigestSet, first_id: int, stats: Counter,
                    skipped: Counter, bar: tqdm, main_seconds: Counter) -> Iterator[pa.RecordBatch]:
     """The workers' rows in order, with the two columns that need that order: `id`, and
@@ -602,15 +622,9 @@ def corpus_batches(results: Iterable[ChunkRows], seen: DigestSet, first_id: int,
         if result.rows is None:
             continue
         began = time.perf_counter()
-        rows, n = result.rows, result.rows.num_rows
-        is_dup = seen.add(digest_matrix(rows.column("digest")))
-        next_id = first_id + stats["docs"]
-        ids = result.input_ids if result.input_ids is not None else byte_token_ids(rows.column("text"))
-        batch = pa.record_batch([
-            pa.array(np.arange(next_id, next_id + n, dtype=np.int64)), rows.column("text"),
-            ids, rows.column("n_tokens"), rows.column("score"),
-            pa.array(is_dup), rows.column("split"), rows.column("digest"),
-        ], schema=CORPUS_SCHEMA)
+        n = result.rows.num_rows
+        is_dup = seen.add(digest_matrix(result.rows.column("digest")))
+        batch = corpus_batch(result, first_id + stats["docs"], is_dup)
         stats.update(docs=n, tokens=result.tokens, dups=int(is_dup.sum()), val=result.val,
                      batches=1)
         bar.update(n)
@@ -664,9 +678,11 @@ def no_documents(min_chars: int, skipped: Counter) -> UserError:
 
 
 def write_corpus(chunks: Iterable[Chunk], db: str, table: str, opts: RowOptions, *, mode: str,
-                 workers: int | None = None, skipped: Counter) -> dict:
-    """Check options, turn `chunks` into rows in `workers` processes, write them in one
-    commit and print the summary."""
+                 workers: int | None = None, skipped: Counter, ray: str | None = None) -> dict:
+    """Check options, turn `chunks` into rows in `workers` processes (or on the Ray cluster
+    at `ray`: ray_ingest.py), write them in one commit and print the summary."""
+    if ray is not None and workers is not None:
+        raise UserError("--workers and --ray exclude each other: on Ray, the cluster's CPUs work")
     workers = usable_cores() if workers is None else workers
     if mode not in MODES:
         raise UserError(f"--mode must be one of {', '.join(MODES)}, not {mode!r}")
@@ -687,14 +703,23 @@ def write_corpus(chunks: Iterable[Chunk], db: str, table: str, opts: RowOptions,
     seen, first_id, legacy, schema = DigestSet(), 0, False, corpus_schema(tok)
     if existing is not None and mode == "append":
         check_table_tokenizer(existing, tok, f"the table {table!r} in {db!r}")
-        seen, first_id, legacy = existing_contents(existing)
+        seen, first_id, legacy = existing_contents(existing, read_digests=ray is None)
         schema = existing.schema.append(CORPUS_SCHEMA.field("digest")) if legacy else CORPUS_SCHEMA
+        if legacy and ray is not None:
+            raise UserError(f"{db}/{table} has no digest column (it predates it); append to it once "
+                            f"without --ray (that adds the column), then --ray appends work")
         if legacy:
             print(f"{db}/{table} has no digest column (it predates it): computing the digests of "
                   f"its {existing.count_rows()} rows once; this append writes them into the "
                   f"table, in the same commit", flush=True)
     stats, main_seconds, write_start = Counter(), Counter(), (time.perf_counter(), cpu_seconds())
     encode = tok.encode if isinstance(tok.encode, FastEncoder) else None
+    if ray is not None:
+        engine = ray_engine()
+        cluster = engine.write_corpus(chunks, db, table, existing, mode, schema, opts, encode,
+                                      first_id, stats, skipped, ray)
+        return summarize(db, table, mode, start, stats, skipped, cluster["cpus"], replaced,
+                         ray=cluster)
     with OrderedPool(chunk_rows, workers, start_worker, (opts, encode)) as pool, \
             tqdm(desc=table, unit="doc", file=sys.stderr, delay=0.5, mininterval=0.5,
                  disable=None) as bar:
@@ -718,25 +743,50 @@ def write_corpus(chunks: Iterable[Chunk], db: str, table: str, opts: RowOptions,
         main_seconds.update(read=pool.read_seconds, wait=pool.wait_seconds,
                             wall=time.perf_counter() - write_start[0],
                             cpu=cpu_seconds() - write_start[1])
-    seconds = time.perf_counter() - start
-    summary = {"db": db, "table": table, "docs": 0, "tokens": 0, "dups": 0, "val": 0, **stats,
-               "skipped": dict(skipped), "seconds": round(seconds, 2), "workers": workers,
-               "tokens_per_s": round(stats["tokens"] / seconds),
-               "main_process": {k: round(v, 2) for k, v in main_seconds.items()}}
-    print(f"wrote {summary['docs']} docs ({summary['tokens']} tokens) to {db}/{table} [{mode}]: "
-          f"{summary['dups']} dups, {summary['val']} val; skipped {format_skipped(skipped)}; "
-          f"{seconds:.1f} s, {workers} worker{'s' * (workers > 1)}, "
-          f"{summary['tokens_per_s']:,} tokens/s")
+    summary = summarize(db, table, mode, start, stats, skipped, workers, replaced,
+                        main_process={k: round(v, 2) for k, v in main_seconds.items()})
     if spawned:  # where the main process's time went: what caps the scaling
         print(f"main process while writing: {main_seconds['cpu']:.1f} s of CPU in "
               f"{main_seconds['wall']:.1f} s: reading input {main_seconds['read']:.1f} s, waiting "
               f"for workers {main_seconds['wait']:.1f} s, ids and dedup "
               f"{main_seconds['dedup']:.1f} s, lance's encoding and writing most of the rest")
+    return summary
+
+
+def summarize(db: str, table: str, mode: str, start: float, stats: Counter, skipped: Counter,
+              workers: int, replaced: tuple | None, *, ray: dict | None = None, **more) -> dict:
+    """Print the summary line (and how to undo an overwrite); return the summary."""
+    seconds = time.perf_counter() - start
+    summary = {"db": db, "table": table, "docs": 0, "tokens": 0, "dups": 0, "val": 0, **stats,
+               "skipped": dict(skipped), "seconds": round(seconds, 2), "workers": workers,
+               "tokens_per_s": round(stats["tokens"] / seconds), **more}
+    where = (f"{workers} worker{'s' * (workers > 1)}" if ray is None else
+             f"Ray: {ray['nodes']} node{'s' * (ray['nodes'] > 1)}, {workers} CPUs, "
+             f"{ray['shards']} dedup shard{'s' * (ray['shards'] > 1)}")
+    print(f"wrote {summary['docs']} docs ({summary['tokens']} tokens) to {db}/{table} [{mode}]: "
+          f"{summary['dups']} dups, {summary['val']} val; skipped {format_skipped(skipped)}; "
+          f"{seconds:.1f} s, {where}, {summary['tokens_per_s']:,} tokens/s")
+    if ray is not None:
+        summary["ray"] = ray
+        print(f"driver: peak RSS {ray['driver_peak_rss_mib']:.0f} MiB, {ray['driver_cpu_s']:.1f} s of "
+              f"CPU; {ray['fragments']} fragments written by the workers, committed once by the driver")
     if replaced:
         summary["replaced_version"] = replaced[0]
         print(f"replaced version {replaced[0]} ({replaced[1]} rows) of {db}/{table}; to bring it "
               f"back: {restore_command(db, table, replaced[0])}")
     return summary
+
+
+def ray_engine():
+    """ray_ingest, imported only for --ray (Ray and pylance are the optional `ray` extra)."""
+    try:
+        import ray_ingest
+    except ImportError as e:
+        if e.name not in ("ray", "lance") and not str(e.name).startswith(("ray.", "lance.")):
+            raise
+        raise UserError(f"--ray needs Ray and pylance ({e.name} is not installed): "
+                        f"pip install -e '.[ray]'") from None
+    return ray_ingest
 
 
 def some_rows(batches: Iterator[pa.RecordBatch], min_chars: int,
@@ -792,23 +842,25 @@ def ingest(inputs: list[str], db: str = DEFAULT_DB, table: str = DEFAULT_TABLE,
            tokenizer_spec: str = "byte", *, val_fraction: float = DEFAULT_VAL_FRACTION,
            min_chars: int = DEFAULT_MIN_CHARS, mode: str = "create", text_field: str = "text",
            score_field: str | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
-           workers: int | None = None) -> dict:
+           workers: int | None = None, ray: str | None = None) -> dict:
     """Build (or extend) a corpus table from txt / jsonl / jsonl.gz / parquet inputs."""
     if batch_size < 1:
         raise UserError("--batch-size must be at least 1")
     skipped = Counter()
     chunks = read_chunks(resolve_inputs(inputs, skipped), text_field, score_field, batch_size)
     opts = RowOptions(tokenizer_spec, text_field, score_field, min_chars, val_fraction)
-    return write_corpus(chunks, db, table, opts, mode=mode, workers=workers, skipped=skipped)
+    return write_corpus(chunks, db, table, opts, mode=mode, workers=workers, skipped=skipped,
+                        ray=ray)
 
 
 def build_demo(db: str = DEFAULT_DB, table: str = DEFAULT_TABLE, tokenizer_spec: str = "byte", *,
                mode: str = "create", val_fraction: float = DEFAULT_VAL_FRACTION,
-               min_chars: int = DEFAULT_MIN_CHARS, workers: int | None = None) -> dict:
+               min_chars: int = DEFAULT_MIN_CHARS, workers: int | None = None,
+               ray: str | None = None) -> dict:
     """Build the stdlib-docstring corpus, which train.py uses when no table exists."""
     opts = RowOptions(tokenizer_spec, min_chars=min_chars, val_fraction=val_fraction)
     return write_corpus(demo_chunks(), db, table, opts, mode=mode, workers=workers,
-                        skipped=Counter())
+                        skipped=Counter(), ray=ray)
 
 
 # ----------------------------------------------------------------------------- cli
@@ -833,6 +885,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=None,
                    help="processes that parse, tokenize and score (default: every core this "
                    f"process may use, here {usable_cores()}); 1 runs in-process")
+    p.add_argument("--ray", metavar="ADDRESS", help="run on a Ray cluster: its address "
+                   "(host:6379), 'auto' (the cluster this node belongs to) or 'local' (a Ray of "
+                   "this machine's own, stopped at the end); the table is the one --workers writes")
+    p.add_argument("--clean-fragments", action="store_true",
+                   help="list and remove the data files of --table that no version uses (what a "
+                   "--ray run killed before its commit leaves), then exit; not while an ingest "
+                   "into the table runs")
     p.add_argument("--restore", type=int, metavar="VERSION",
                    help="make this earlier version of --table current again (e.g. after "
                    "--mode overwrite), then exit")
@@ -853,10 +912,14 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     without_torch()
     options = dict(mode=args.mode, val_fraction=args.val_fraction, min_chars=args.min_chars,
-                   workers=args.workers)
+                   workers=args.workers, ray=args.ray)
     try:
         storage.configure(args.storage_option)
-        if args.restore is not None:
+        if args.clean_fragments:
+            if args.inputs or args.demo or args.restore is not None:
+                raise UserError("--clean-fragments takes no INPUT, --demo or --restore")
+            ray_engine().clean_fragments(args.db, args.table)
+        elif args.restore is not None:
             if args.inputs or args.demo:
                 raise UserError("--restore takes no INPUT and no --demo")
             restore(args.db, args.table, args.restore)

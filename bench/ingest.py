@@ -4,6 +4,14 @@ Usage:
     python bench/ingest.py [--out bench/results/ingest.json] [--png FILE.png] [--input PATH ...]
         [--text-field text] [--docs N] [--workers 1,2,4] [--tokenizers byte,bpe] [--repeats 3]
         [--bpe-vocab 8192] [--bpe-sample-mb 4] [--timeout-s 1800]
+    python bench/ingest.py --ray [NODES|ADDRESS] [--docs N] [--tokenizers byte,bpe] [--repeats 2]
+
+--ray compares `prepare_data.py --ray` with `--workers N` (N: the cluster's CPUs) on the same
+input, interleaved, best of --repeats, and checks the two tables are equal: on a local cluster of
+NODES (default 2) nodes of 1 CPU each on 127.0.0.1, or on the cluster at ADDRESS. It reports
+tokens/s, the ratio, the driver's peak RSS (its own VmHWM, and again on a quarter of the input)
+and CPU, and the peak RSS of this machine's Ray worker processes; JSON at
+bench/results/ingest_ray.json. About 5 minutes on 2 cores.
 
 Each run is the whole command `python prepare_data.py INPUT --db TMP --table corpus --mode
 overwrite --tokenizer T --workers N` into a fresh temporary db, for N = 1 and the powers of two
@@ -143,12 +151,32 @@ def train_bpe(directory: str, paths: list[str], opts) -> dict:
 
 # ── Runs ─────────────────────────────────────────────────────────────────────────────
 
-def run_once(inputs: list[str], spec: str, workers: int, db: str, opts, keep: bool = False) -> dict:
-    """One prepare_data.py run into a fresh db: wall seconds, peak RSS of its tree, its table."""
+def ray_workers_memory() -> dict:
+    """VmRSS summed over this machine's Ray worker processes (titled `ray::...`), in MiB."""
+    total = {"rss_mib": 0.0, "processes": 0}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if not f.read(5).startswith(b"ray::"):
+                    continue
+            with open(f"/proc/{pid}/status") as f:
+                rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+        except (OSError, StopIteration):
+            continue
+        total["rss_mib"] += rss / 1024
+        total["processes"] += 1
+    return total
+
+
+def run_once(inputs: list[str], spec: str, workers: int, db: str, opts, keep: bool = False,
+             ray: str | None = None) -> dict:
+    """One prepare_data.py run into a fresh db: wall seconds, peak RSS of its tree (and with
+    `ray`, the cluster's address, of this machine's Ray workers), its table."""
     shutil.rmtree(db, ignore_errors=True)
+    engine = ["--ray", ray] if ray else ["--workers", str(workers)]
     cmd = [sys.executable, os.path.join(REPO, "prepare_data.py"), *inputs, "--db", db, "--table", "corpus",
-           "--mode", "overwrite", "--tokenizer", spec, "--workers", str(workers), "--text-field", opts.text_field]
-    peak = {"rss_mib": 0.0, "processes": 0}
+           "--mode", "overwrite", "--tokenizer", spec, *engine, "--text-field", opts.text_field]
+    peak = {"rss_mib": 0.0, "processes": 0, "ray_workers_rss_mib": 0.0}
     done = threading.Event()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         start = time.perf_counter()
@@ -159,6 +187,9 @@ def run_once(inputs: list[str], spec: str, workers: int, db: str, opts, keep: bo
                 memory = tree_memory(proc.pid)
                 peak["rss_mib"] = max(peak["rss_mib"], memory["rss_mib"])
                 peak["processes"] = max(peak["processes"], memory["processes"])
+                if ray:
+                    peak["ray_workers_rss_mib"] = max(peak["ray_workers_rss_mib"],
+                                                      ray_workers_memory()["rss_mib"])
                 done.wait(SAMPLE_S)
 
         sampler = threading.Thread(target=sample, daemon=True)
@@ -177,6 +208,11 @@ def run_once(inputs: list[str], spec: str, workers: int, db: str, opts, keep: bo
            "peak_processes": peak["processes"], "rc": rc,
            "summary": next((ln for ln in stdout.splitlines() if ln.startswith("wrote ")), None),
            "main_process": main_process(stdout), "stdout": stdout.strip()[-2000:]}
+    if ray:
+        run["ray_workers_peak_rss_mib"] = round(peak["ray_workers_rss_mib"], 1)
+        driver = re.search(r"driver: peak RSS (\d+) MiB, ([\d.]+) s of CPU", stdout)
+        run["driver_peak_rss_mib"] = int(driver[1]) if driver else None
+        run["driver_cpu_s"] = float(driver[2]) if driver else None
     if rc != 0:
         run["error"] = (stderr.strip().splitlines() or [f"exit code {rc}"])[-1][-2000:]
         return run
@@ -405,11 +441,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bpe-vocab", type=int, default=8192)
     p.add_argument("--bpe-sample-mb", type=float, default=4.0, help="text the BPE is trained on")
     p.add_argument("--timeout-s", type=float, default=1800, help="a run longer than this is killed")
+    p.add_argument("--ray", nargs="?", const="2", default=None, metavar="NODES|ADDRESS",
+                   help="compare prepare_data.py --ray with --workers N (N: the cluster's CPUs) "
+                   "instead: on a local cluster of NODES nodes of 1 CPU each on 127.0.0.1 (default 2), "
+                   "or on the cluster at ADDRESS; writes bench/results/ingest_ray.json")
     p.add_argument("--append-rows", type=int, default=10_000_000,
                    help="rows of the synthetic table an append is timed on (0: skip it)")
     opts = p.parse_args(argv)
     opts.workers = [int(n) for n in opts.workers.split(",") if n.strip()]
     opts.tokenizers = [t.strip() for t in opts.tokenizers.split(",") if t.strip()]
+    if opts.ray and opts.out == RESULTS:
+        opts.out = os.path.join(BENCH, "results", "ingest_ray.json")
     opts.png = opts.png or os.path.splitext(opts.out)[0] + ".png"
     if not opts.workers or min(opts.workers) < 1 or opts.repeats < 1 or opts.docs < 1:
         p.error("--workers, --repeats and --docs take positive numbers")
@@ -477,12 +519,99 @@ def bench_main(opts, work: str) -> int:
     return 1 if bad else 0
 
 
+RAY_STORE = 200 << 20  # object store per node of the local cluster
+
+
+def local_cluster(nodes: int):
+    """A Ray cluster of `nodes` nodes of 1 CPU each on 127.0.0.1 (ray.cluster_utils)."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep 127.0.0.1 (tests/test_ray_ingest.py)
+    from ray.cluster_utils import Cluster
+
+    node = dict(num_cpus=1, object_store_memory=RAY_STORE, node_ip_address="127.0.0.1")
+    cluster = Cluster(initialize_head=True, head_node_args=dict(node, include_dashboard=False))
+    for _ in range(nodes - 1):
+        cluster.add_node(**node)
+    cluster.wait_for_nodes()
+    return cluster
+
+
+def ray_main(opts, work: str) -> int:
+    """--ray: prepare_data.py --ray against --workers N on the same input, interleaved, best of
+    --repeats; the same table required; the driver's peak RSS at a quarter of the input too."""
+    started = time.perf_counter()
+    machine = machine_info()
+    cluster = local_cluster(int(opts.ray)) if opts.ray.isdigit() else None
+    address = cluster.address if cluster else opts.ray
+    try:
+        import ray
+
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        cpus, nodes = int(ray.cluster_resources()["CPU"]), sum(n["Alive"] for n in ray.nodes())
+        ray.shutdown()
+        inputs = [os.path.join(work, "corpus.jsonl")]
+        corpus = write_corpus(inputs[0], opts.docs)
+        quarter = [os.path.join(work, "quarter.jsonl")]
+        write_corpus(quarter[0], opts.docs // 4)
+        corpus["mb"] = round(os.path.getsize(inputs[0]) / 1e6, 2)
+        bpe = train_bpe(os.path.join(work, "bpe"), inputs, opts) if "bpe" in opts.tokenizers else {}
+        specs = {"byte": "byte", "bpe": f"hf:{os.path.join(work, 'bpe')}"}
+        print(f"{machine['cpu']}, {machine['affinity']} cores; Ray: {nodes} nodes, {cpus} CPUs; corpus "
+              f"{corpus['mb']} MB ({opts.docs} docs); {opts.repeats} repeat(s)", flush=True)
+        runs = {(t, e): [] for t in opts.tokenizers for e in ("workers", "ray")}
+        for rep in range(opts.repeats):
+            for (tok, engine), done in runs.items():
+                db = os.path.join(work, f"db-{engine}")
+                run = run_once(inputs, specs[tok], cpus, db, opts, keep=True,
+                               ray=address if engine == "ray" else None)
+                done.append(run)
+                print(f"[{rep + 1}/{opts.repeats}] {tok:<5} {engine:<7} {run['wall_s']:7.2f} s  "
+                      f"{run.get('summary') or run.get('error')}", flush=True)
+            for tok in opts.tokenizers:  # the same table: compared on the last repeat's
+                a, b = (lancedb.connect(os.path.join(work, f"db-{e}")).open_table("corpus").to_arrow()
+                        for e in ("workers", "ray"))
+                runs[tok, "ray"][-1]["same_table"] = a.equals(b)
+        results = []
+        for tok in opts.tokenizers:
+            best = {e: min(runs[tok, e], key=lambda r: r["wall_s"]) for e in ("workers", "ray")}
+            point = {"tokenizer": tok, "nodes": nodes, "cpus": cpus, "runs": runs[tok, "workers"] + runs[tok, "ray"]}
+            for e, run in best.items():
+                point[e] = {"wall_s": run["wall_s"], "tokens_per_s": round(run["tokens"] / run["wall_s"]),
+                            "peak_rss_mib": max(r["peak_rss_mib"] for r in runs[tok, e])}
+            point["ray"].update(driver_peak_rss_mib=best["ray"].get("driver_peak_rss_mib"),
+                                workers_peak_rss_mib=max(r["ray_workers_peak_rss_mib"] for r in runs[tok, "ray"]))
+            point["ray_over_workers"] = round(point["ray"]["tokens_per_s"] / point["workers"]["tokens_per_s"], 3)
+            point["same_table"] = all(r.get("same_table", True) for r in runs[tok, "ray"])
+            results.append(point)
+        small = run_once(quarter, "byte", cpus, os.path.join(work, "db-quarter"), opts, ray=address)
+        driver = {"docs": {opts.docs // 4: small.get("driver_peak_rss_mib"),
+                           opts.docs: min(runs[opts.tokenizers[0], "ray"], key=lambda r: r["wall_s"])
+                           .get("driver_peak_rss_mib")}}
+    finally:
+        if cluster:
+            cluster.shutdown()
+    print(f"\n| tokenizer | engine | wall s | tokens/s | ray / workers | driver peak RSS MiB | "
+          f"Ray workers' peak RSS MiB | same table |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        print(f"| {r['tokenizer']} | --workers {cpus} | {r['workers']['wall_s']:.1f} | "
+              f"{r['workers']['tokens_per_s']:,} | 1.00x | {r['workers']['peak_rss_mib']:,.0f} (tree) | - | - |")
+        print(f"| {r['tokenizer']} | --ray ({nodes} nodes) | {r['ray']['wall_s']:.1f} | "
+              f"{r['ray']['tokens_per_s']:,} | {r['ray_over_workers']:.2f}x | "
+              f"{r['ray']['driver_peak_rss_mib']} | {r['ray']['workers_peak_rss_mib']:,.0f} | {r['same_table']} |")
+    print(f"driver peak RSS (byte) against documents: {driver['docs']}")
+    write_json(opts.out, {"machine": machine, "settings": {"corpus": corpus, "bpe": bpe, "repeats": opts.repeats,
+                                                          "ray": {"nodes": nodes, "cpus": cpus, "address": opts.ray}},
+                          "results": results, "driver_rss_vs_docs": driver, "complete": True,
+                          "total_s": round(time.perf_counter() - started, 1)})
+    print(f"wrote {opts.out} in {time.perf_counter() - started:.0f} s")
+    return 0 if all(r["same_table"] for r in results) else 1
+
+
 def main(argv=None) -> None:
     opts = parse_args(argv)
     prepare_data.without_torch()  # as prepare_data.py's own command line: the ceiling's tokenizers load fast
     try:
         with tempfile.TemporaryDirectory(prefix="ingest-bench-") as work:
-            code = bench_main(opts, work)
+            code = ray_main(opts, work) if opts.ray else bench_main(opts, work)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
