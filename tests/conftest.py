@@ -128,12 +128,33 @@ def docs_table(db, docs, *, scores=None, dups=None, splits=None) -> str:
     return str(db)
 
 
+def made_once(tmp_path_factory, name, make):
+    """`make(directory)` run once per test run, in a fresh `directory`; returns (its result,
+    directory). Under pytest-xdist the workers share one: the first to ask makes it, under a
+    file lock, and leaves its result as JSON for the others (so it must be JSON-able)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        directory = tmp_path_factory.mktemp(name)
+        return make(directory), directory
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent  # the run's directory, above each worker's own
+    directory, result = shared / name, shared / f"{name}.json"
+    with FileLock(str(shared / f"{name}.lock")):
+        if not result.exists():
+            directory.mkdir()
+            result.write_text(json.dumps(make(directory)))
+    return json.loads(result.read_text()), directory
+
+
 @pytest.fixture(scope="session")
 def smoke_run(tmp_path_factory):
     """`python train.py --model tiny --steps 40` in a fresh directory: builds the default demo db there."""
-    cwd = tmp_path_factory.mktemp("smoke")
-    proc = run_script(*SMOKE_COMMAND, cwd=cwd)
-    return proc, cwd
+    def smoke(cwd):
+        proc = run_script(*SMOKE_COMMAND, cwd=cwd)
+        return {"args": proc.args, "returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
+
+    done, cwd = made_once(tmp_path_factory, "smoke", smoke)
+    return subprocess.CompletedProcess(**done), cwd
 
 
 @pytest.fixture(scope="session")
@@ -153,10 +174,11 @@ def blocks_dir(demo_db, tmp_path_factory):
     """OUT of build_packed_datasets.py (all four formats) over the demo corpus."""
     import build_packed_datasets
 
-    out = tmp_path_factory.mktemp("blocks")
-    build_packed_datasets.build(demo_db, "corpus", str(out), seq_len=BLOCKS_SEQ_LEN,
-                                blocks_per_file=10_000, seq_row_group_blocks=300)
-    return out
+    def build(out):
+        build_packed_datasets.build(demo_db, "corpus", str(out), seq_len=BLOCKS_SEQ_LEN,
+                                    blocks_per_file=10_000, seq_row_group_blocks=300)
+
+    return made_once(tmp_path_factory, "blocks", build)[1]
 
 
 def read_trace(trace_dir):
