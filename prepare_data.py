@@ -902,7 +902,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def without_torch() -> None:
     """Let transformers load a tokenizer without importing torch: this process never runs a
     model, and the import is most of an hf: tokenizer's start-up (7.9 s -> 2.3 s measured).
-    Only for the command line: a caller that imported transformers with torch keeps it."""
+    Only for the command line (`python prepare_data.py`): it sets the process's environment,
+    which a program calling main() keeps, and would see transformers without torch from then on."""
     if "transformers" not in sys.modules:
         os.environ.setdefault("USE_TORCH", "0")
         os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # "None of PyTorch..."
@@ -910,7 +911,6 @@ def without_torch() -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    without_torch()
     options = dict(mode=args.mode, val_fraction=args.val_fraction, min_chars=args.min_chars,
                    workers=args.workers, ray=args.ray)
     try:
@@ -944,4 +944,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    without_torch()
     main()
