@@ -383,9 +383,8 @@ def unused_files(uri: str) -> list[str]:
     import pyarrow.fs as pafs
 
     listed = fs.get_file_info(pafs.FileSelector(f"{root}/data", allow_not_found=True))
-    return sorted(f"data/{info.base_name}" for info in listed
-                  if info.type == pafs.FileType.File and info.base_name not in used
-                  and not info.base_name.startswith("."))
+    return sorted(f"data/{info.base_name}" for info in listed  # a write killed midway leaves a .tmp file
+                  if info.type == pafs.FileType.File and info.base_name not in used)
 
 
 def clean_fragments(db: str, table: str) -> None:
