@@ -11,6 +11,8 @@ import build_packed_datasets
 import prepare_data
 from conftest import assert_user_error, run_script
 
+pytestmark = pytest.mark.slow  # trains or ingests in processes of its own: `-m "not slow"` leaves it out
+
 MODES = {"lance-docs", "lance", "mosaic", "parquet-random", "parquet-seq", "lance-docs-unbounded",
          "lance-unbounded"}
 

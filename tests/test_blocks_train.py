@@ -16,6 +16,8 @@ from blocks_loaders import MODE_FORMAT, read_manifest
 from common import block_hashes
 from conftest import BLOCKS_SEQ_LEN, read_trace, run_trains
 
+pytestmark = pytest.mark.slow  # trains or ingests in processes of its own: `-m "not slow"` leaves it out
+
 MODES = MODE_FORMAT
 STEPS = 6
 TOPOLOGIES = [(mode, 1) for mode in MODES] + [(mode, 2) for mode in MODES if mode != "parquet-seq"]

@@ -32,6 +32,8 @@ from conftest import (free_port, kill_tree, pids_mentioning, process_tree, read_
                       wait_gone)
 from test_elastic import per_step, resumed_from
 
+pytestmark = pytest.mark.slow  # trains or ingests in processes of its own: `-m "not slow"` leaves it out
+
 # Four appends, so four data files; the second is one row, read by one rank only, late in
 # the epoch (`lonely_row_step`), so a file deleted after a few steps is met mid-epoch, and on
 # 2 ranks by one of them while the other waits in a collective.

@@ -22,6 +22,8 @@ import train
 from conftest import (assert_user_error, kill_tree, process_tree, read_trace, run_script, run_train,
                       start_train)
 
+pytestmark = pytest.mark.slow  # trains or ingests in processes of its own: `-m "not slow"` leaves it out
+
 SEQ_LEN, BATCH = 64, 4
 FAST = ["--model", "tiny", "--seq-len", SEQ_LEN, "--batch-size", BATCH, "--num-splits", 4,
         "--log-every", 2, "--warmup-steps", 2, "--lr-total-steps", 40, "--eval-batches", 1]

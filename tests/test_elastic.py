@@ -24,6 +24,8 @@ from common import TRAIN_FILTER, load_tokenizer
 from conftest import (assert_user_error, kill_tree, pids_mentioning, process_tree, read_trace,
                       run_train, run_trains, session_pids, start_train, wait_gone)
 
+pytestmark = pytest.mark.slow  # trains or ingests in processes of its own: `-m "not slow"` leaves it out
+
 STEPS, HALF = 20, 10
 GLOBAL_BATCH, GRAD_ACCUM = 8, 2  # samples per optimizer step: GLOBAL_BATCH x GRAD_ACCUM
 SEQ_LEN = 64

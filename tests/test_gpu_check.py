@@ -14,6 +14,8 @@ import torch
 
 from conftest import REPO, assert_user_error, run_script
 
+pytestmark = pytest.mark.slow  # trains or ingests in processes of its own: `-m "not slow"` leaves it out
+
 
 RUNS = [("plain", "fed", 1), ("plain", "none", 1), ("gpt2-124m", "none", 1), ("doc-mask", "fed", 1),
         ("doc-mask", "none", 1), ("deterministic", "fed", 1), ("plain", "fed", 2), ("doc-mask", "fed", 2)]

@@ -16,6 +16,8 @@ from common import LEGACY_SCHEMA
 from conftest import run_trains
 from distributed import weights_digest
 
+pytestmark = pytest.mark.slow  # trains or ingests in processes of its own: `-m "not slow"` leaves it out
+
 STEPS = 6
 SEQ_LEN = 64
 # Every document is longer than a row, so each row (and each packed block) holds SEQ_LEN real

@@ -26,6 +26,8 @@ from common import (STORAGE_FAULT_EXIT, TRAIN_FILTER, StorageFault, UserError, c
 from conftest import REPO, session_pids, wait_gone
 from test_prepare_data import prose
 
+pytestmark = pytest.mark.slow  # trains or ingests in processes of its own: `-m "not slow"` leaves it out
+
 MB = 1 << 20
 
 

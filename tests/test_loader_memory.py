@@ -7,6 +7,8 @@ import pytest
 
 from conftest import assert_user_error, run_script
 
+pytestmark = pytest.mark.slow  # trains or ingests in processes of its own: `-m "not slow"` leaves it out
+
 LANCE = ("lance-docs", "lance-rows", "lance")
 PATHS = {f"{p} {b}" for p in LANCE for b in ("bounded", "unbounded")} | {
     "lance-docs x2 workers bounded", "mosaic", "parquet-random", "parquet-seq"}

@@ -16,6 +16,8 @@ import pytest
 from conftest import REPO, frames_of_ours, free_port, kill_tree, read_trace
 from test_elastic import CKPT, HALF, STEPS, final_step, flags, per_step, resumed_from, train_ok
 
+pytestmark = pytest.mark.slow  # trains or ingests in processes of its own: `-m "not slow"` leaves it out
+
 TIMEOUT = 150  # per run: a hang fails the test instead of blocking CI
 
 

@@ -17,6 +17,8 @@ import torch
 from common import LEGACY_SCHEMA
 from conftest import read_trace, run_trains, state_equal
 
+pytestmark = pytest.mark.slow  # trains or ingests in processes of its own: `-m "not slow"` leaves it out
+
 TRAIN_DOCS, GLOBAL_BATCH = 24, 4
 # Steps per epoch: the row path takes every training document once (24 / 4); the packed
 # path a budget of 32 blocks per epoch (--blocks-per-epoch) out of the ~37 the table packs into.

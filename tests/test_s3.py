@@ -16,6 +16,8 @@ from blocks_loaders import read_manifest
 from conftest import assert_user_error, free_port, make_bucket, read_trace, run_script, run_trains
 from test_elastic import per_step, resumed_from
 
+pytestmark = pytest.mark.slow  # trains or ingests in processes of its own: `-m "not slow"` leaves it out
+
 STEPS, HALF = 12, 6
 SEQ_LEN = 64
 FAST = ["--model", "tiny", "--seq-len", SEQ_LEN, "--log-every", 3, "--eval-batches", 1,

@@ -29,6 +29,8 @@ from common import LEGACY_SCHEMA
 from conftest import (frames_of_ours, is_alive, kill_tree, pids_mentioning, run_train, run_trains, start_train,
                       state_equal, wait_gone)
 
+pytestmark = pytest.mark.slow  # trains or ingests in processes of its own: `-m "not slow"` leaves it out
+
 MB = 1 << 20
 # A tiny model's checkpoint with its optimizer state is about 10 MB: a 25 MB --ckpt-dir
 # takes two, and the third finds about 5.6 MB free.
