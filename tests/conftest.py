@@ -437,3 +437,10 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def pytest_collection_modifyitems(items):
+    """The slow modules first (in their order; each module's tests keep theirs): under
+    pytest-xdist the quick ones then fill the workers' last minutes, instead of one worker
+    finishing a long module alone while the others idle."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
