@@ -74,7 +74,7 @@ def test_the_mutation_check_copies_the_sources_and_no_venv(tmp_path):
 
 QUICK_START = ("python3 -m venv .venv && . .venv/bin/activate && pip install -e . && python train.py ",
                "python3 -m venv .venv && . .venv/bin/activate && pip install -e '.[test]' && "
-               "python -m pytest -q -n 3 --dist loadscope")
+               "python -m pytest -q -n 2 --dist loadscope")
 
 
 def test_the_quick_start_makes_its_venv_inside_the_clone():
@@ -104,7 +104,7 @@ def fake_ci(tmp_path, readme_line, exits):
 
 def test_ci_runs_the_readme_test_command_and_fails_when_it_does(tmp_path):
     assert fake_ci(tmp_path, QUICK_START[1], {"pip": 0, "pytest": 0}) == (0, "")
-    assert (tmp_path / "ran").read_text() == "-m pytest -q -n 3 --dist loadscope\n" and (tmp_path / "clone" / ".venv").is_dir()
+    assert (tmp_path / "ran").read_text() == "-m pytest -q -n 2 --dist loadscope\n" and (tmp_path / "clone" / ".venv").is_dir()
     code, err = fake_ci(tmp_path / "again", QUICK_START[1], {"pip": 1, "pytest": 0})
     assert code == 1 and not (tmp_path / "again" / "ran").exists(), err  # a failed install is not a pass
     code, err = fake_ci(tmp_path / "none", QUICK_START[1], {"pip": 0, "pytest": 5})
