@@ -313,6 +313,15 @@ def session_pids(sid):
     return [pid for pid in _all_pids() if (s := _proc_stat(pid)) and s[2] == sid and is_alive(pid)]
 
 
+def sigint_at_default() -> None:
+    """Popen's preexec_fn for a child a test sends Ctrl-C: a shell starts a foreground job with
+    SIGINT at its default, whatever this test process inherited (under pytest-xdist a worker
+    ignored it after some earlier test, and a Python child then ignores Ctrl-C for good)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_train(nproc, *args, cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE):
     """Popen of train.py (torchrun for nproc > 1) in a session of its own."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

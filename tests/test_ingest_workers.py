@@ -23,7 +23,7 @@ import pytest
 
 import prepare_data
 from common import CORPUS_SCHEMA, LEGACY_SCHEMA, UserError
-from conftest import REPO, _proc_stat, pids_mentioning, wait_gone
+from conftest import REPO, _proc_stat, pids_mentioning, sigint_at_default, wait_gone
 from prepare_data import content_digest, ingest
 from test_ingest_atomic import open_feed
 from test_prepare_data import bpe_spec, prose, read_table, write_jsonl  # noqa: F401 (a fixture)
@@ -149,7 +149,7 @@ def test_ctrl_c_or_a_kill_mid_run_leaves_the_table_and_no_worker(tmp_path, how):
     proc = subprocess.Popen(
         [sys.executable, "prepare_data.py", str(fifo), "--db", db, "--mode", "append",
          "--batch-size", "10", "--workers", "2"], cwd=REPO, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True)
+        stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=sigint_at_default)
     feed = open_feed(fifo, proc)
     feed.writelines(json.dumps({"text": prose(i)}) + "\n" for i in range(100, 200))
     feed.flush()

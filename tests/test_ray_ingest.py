@@ -18,7 +18,7 @@ import lancedb
 import pytest
 
 from common import CORPUS_SCHEMA
-from conftest import REPO, assert_user_error, make_bucket, pids_mentioning, run_script, wait_gone
+from conftest import REPO, assert_user_error, make_bucket, pids_mentioning, run_script, sigint_at_default, wait_gone
 from prepare_data import content_digest, ingest
 from test_ingest_atomic import open_feed
 from test_ingest_workers import mixed_inputs
@@ -140,7 +140,8 @@ def test_driver_stopped_before_commit_leaves_the_table_and_clean_fragments(clust
     os.mkfifo(fifo)
     proc = subprocess.Popen([sys.executable, "prepare_data.py", str(fifo), "--db", str(db),
                              "--mode", "append", "--batch-size", "5", "--ray", cluster],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_at_default)
     feed = open_feed(fifo, proc)
     deadline = time.monotonic() + 90
     i = 100
