@@ -735,10 +735,10 @@ def batch_source(run: Run, state: TrainState, loader_state):
     args = run.args
     if args.steps and state.opt_step >= args.steps:
         return ()
-    items = train_batches(args, run.data, run.rank, run.world_size, run.device, run.num_splits,
-                          state.epoch, loader_state)
     if args.random_ids:
         return random_batches(args.loader_free, args.batch_size, args.seq_len, args.random_ids, run.device)
+    items = train_batches(args, run.data, run.rank, run.world_size, run.device, run.num_splits,
+                          state.epoch, loader_state)
     if args.loader_free:
         return loader_free_batches(items, args.loader_free, run.device, lambda ids: check_vocabulary(ids, run.tok))
     return prefetched(items, run.device)
