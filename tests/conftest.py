@@ -73,12 +73,49 @@ def frames_of_ours(stderr: str, root=REPO) -> list[str]:
     return [m[0].strip() for m in _FRAME.finditer(stderr) if is_project_file(m[1], root)]
 
 
-def run_script(script, *args, cwd, timeout=600, env=None):
+# ── A warm interpreter for one-process runs (tests/warm_python.py) ──────────────────
+
+# The scripts that import torch: their start-up is most of a short run's time.
+WARM_SCRIPTS = {"train.py", "build_packed_datasets.py", "export_hf.py", "sample.py"}
+_warm = {}
+
+
+def warm_python() -> list[str] | None:
+    """The command prefix that runs a script in a fork of this test process's warm server
+    (started at the first call, gone with this process); None under TESTS_COLD_START=1,
+    which starts every run cold."""
+    if os.environ.get("TESTS_COLD_START") == "1":
+        return None
+    if "command" not in _warm:
+        import atexit
+        import tempfile
+
+        sock = os.path.join(tempfile.mkdtemp(prefix="warm-"), "sock")  # short: an AF_UNIX path fits in 108 bytes
+        server = subprocess.Popen([sys.executable, str(REPO / "tests" / "warm_python.py"), "serve", sock],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                  start_new_session=True)
+        if server.stdout.readline().strip() != "ready":
+            server.kill()
+            raise RuntimeError(f"tests/warm_python.py did not start (exit {server.wait()})")
+        atexit.register(lambda: (server.stdin.close(), server.wait()))
+        _warm["command"] = [sys.executable, str(REPO / "tests" / "warm_python.py"), sock]
+    return _warm["command"]
+
+
+def script_command(script, *args, cold=False) -> list[str]:
+    """`python SCRIPT ARGS`, through the warm interpreter where SCRIPT imports torch and the
+    test does not ask for a cold start (`cold`: it signals the run, or finds its processes)."""
+    path = str(REPO / script)
+    warm = None if cold or Path(script).name not in WARM_SCRIPTS else warm_python()
+    return [*(warm or [sys.executable]), path, *map(str, args)]
+
+
+def run_script(script, *args, cwd, timeout=600, env=None, cold=False):
     """Run one of the project's scripts as a user would (`env`: variables added to ours);
     returns the CompletedProcess."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run([sys.executable, str(REPO / script), *map(str, args)], cwd=cwd,
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(script_command(script, *args, cold=cold), cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def assert_user_error(proc, *fragments):
@@ -150,7 +187,7 @@ def made_once(tmp_path_factory, name, make):
 def smoke_run(tmp_path_factory):
     """`python train.py --model tiny --steps 40` in a fresh directory: builds the default demo db there."""
     def smoke(cwd):
-        proc = run_script(*SMOKE_COMMAND, cwd=cwd)
+        proc = run_script(*SMOKE_COMMAND, cwd=cwd, cold=True)  # exactly as the README says
         return {"args": proc.args, "returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
 
     done, cwd = made_once(tmp_path_factory, "smoke", smoke)
@@ -205,13 +242,16 @@ def state_equal(a, b):
 
 # ── Processes: train.py under torchrun, and killing whole process trees ──────────────
 
-def train_command(nproc, *args):
-    """`python train.py ...` for one rank, `python -m torch.distributed.run ... train.py ...` for more."""
+def train_command(nproc, *args, cold=True):
+    """`python train.py ...` for one rank, `python -m torch.distributed.run ... train.py ...` for
+    more; warm unless `cold` (see script_command): torchrun then starts each rank through the
+    warm interpreter (`--no-python`); the agent itself starts cold."""
     args = [str(a) for a in args]
     if nproc == 1:
-        return [sys.executable, str(REPO / "train.py"), *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-            str(nproc), str(REPO / "train.py"), *args]
+        return script_command("train.py", *args, cold=cold)
+    warm = None if cold else warm_python()
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+            *(["--no-python", *warm] if warm else []), str(REPO / "train.py"), *args]
 
 
 def _proc_stat(pid):
@@ -322,17 +362,19 @@ def sigint_at_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def start_train(nproc, *args, cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE):
-    """Popen of train.py (torchrun for nproc > 1) in a session of its own."""
+def start_train(nproc, *args, cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cold=True):
+    """Popen of train.py (torchrun for nproc > 1) in a session of its own; cold, for the tests
+    that signal it or walk its processes, unless `cold` is False."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(train_command(nproc, *args), cwd=cwd, env=env, stdout=stdout,
+    return subprocess.Popen(train_command(nproc, *args, cold=cold), cwd=cwd, env=env, stdout=stdout,
                             stderr=stderr, text=True, start_new_session=True)
 
 
-def run_train(nproc, *args, cwd, timeout=300):
+def run_train(nproc, *args, cwd, timeout=300, cold=False):
     """Run train.py on `nproc` ranks to the end; a run past `timeout` has its whole tree
-    killed and fails the test (CompletedProcess otherwise, any exit code)."""
-    proc = start_train(nproc, *args, cwd=cwd)
+    killed and fails the test (CompletedProcess otherwise, any exit code). One rank runs warm
+    unless `cold` (see script_command)."""
+    proc = start_train(nproc, *args, cwd=cwd, cold=cold)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -346,17 +388,17 @@ def run_train(nproc, *args, cwd, timeout=300):
                     f"({'the main process exited but a child kept its output open' if main_exited else 'still running'})"
                     f"\n$ {' '.join(train_command(nproc, *args))}\n{out}\n{err}")
     done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-    done.pid = proc.pid  # == its session id: start_new_session
+    done.pid = proc.pid  # == its session id (start_new_session) where it ran cold
     return done
 
 
-def run_trains(jobs, *, cwd, timeout=300):
+def run_trains(jobs, *, cwd, timeout=300, cold=False):
     """Run several independent train.py jobs, each `(nproc, args)`, at the same time (their
     start-up and teardown overlap); returns their CompletedProcesses in order."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(len(jobs)) as pool:
-        futures = [pool.submit(run_train, nproc, *args, cwd=cwd, timeout=timeout)
+        futures = [pool.submit(run_train, nproc, *args, cwd=cwd, timeout=timeout, cold=cold)
                    for nproc, args in jobs]
         return [f.result() for f in futures]
 

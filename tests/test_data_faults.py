@@ -228,7 +228,7 @@ def test_a_damaged_data_file_at_start_up_is_one_line(corpus, tmp_path, how, npro
     damage(victim, how)
     ck = tmp_path / "ck"
     proc = run_train(nproc, "--db", db, *FLAGS, "--batch-size", GLOBAL_BATCH // nproc, "--steps", STEPS,
-                     "--ckpt-dir", ck, cwd=tmp_path, timeout=180)
+                     "--ckpt-dir", ck, cwd=tmp_path, timeout=180, cold=True)  # found by its command line
     name = f"data/{os.path.basename(victim)}"
     why = f"its data file {name} is missing" if how == "deleted" else f"its data file {name} is truncated"
     check_fault_lines(proc.returncode, proc.stderr, nproc, why, db, failing=nproc)  # every rank reads it

@@ -203,14 +203,15 @@ def test_a_full_ckpt_dir_on_two_ranks_at_rank_0s_file_then_at_rank_1s(db, straig
     saved = ["step_00000002.pt", "step_00000002_dsrank1.pt", "step_00000004.pt", "step_00000004_dsrank1.pt"]
     marker = f"STORAGE_FAULT_RUN={uuid.uuid4().hex}"
     monkeypatch.setenv(*marker.split("="))
-    proc = run_train(2, *flags(db, 2, ck, "--steps", 8, "--num-workers", 1), cwd=tmp_path, timeout=240)
+    # cold, here and below, where the test looks for the run's processes by environment or command line
+    proc = run_train(2, *flags(db, 2, ck, "--steps", 8, "--num-workers", 1), cwd=tmp_path, timeout=240, cold=True)
     monkeypatch.undo()
     assert_storage_fault(proc.returncode, proc.stderr, f"writing the checkpoint of step 6, {ckpt(ck, 6)}; it needs "
                          f"at least 9.6 MiB", f"the newest complete checkpoint is {ckpt(ck, 4)}", ranks=2)
     assert left_in(ck) == saved and not wait_gone(pids_inheriting(marker), timeout=10)
 
     fill(ck, leave=PAGE)  # room for the lock file only
-    proc = run_train(2, *flags(db, 2, ck, "--steps", 8, "--resume", "auto"), cwd=tmp_path, timeout=240)
+    proc = run_train(2, *flags(db, 2, ck, "--steps", 8, "--resume", "auto"), cwd=tmp_path, timeout=240, cold=True)
     assert_storage_fault(proc.returncode, proc.stderr, "no space left on the device (ENOSPC) writing rank 1's loader "
                          f"state of step 6, {ck / 'step_00000006_dsrank1.pt'}; 0 B free",
                          f"the newest complete checkpoint is {ckpt(ck, 4)}", ranks=2)
@@ -268,7 +269,7 @@ def test_a_full_trace_file_on_one_of_two_ranks_stops_both_at_one_step(db, straig
     fs, ck = small_fs("trace", 2 * PAGE), tmp_path / "ck"
     fill(fs, leave=PAGE)
     proc = run_train(2, *flags(db, 2, ck, "--steps", 8, "--trace-samples", fs / "trace"), cwd=tmp_path,
-                     timeout=240)
+                     timeout=240, cold=True)  # found by its command line below
     line = assert_storage_fault(proc.returncode, proc.stderr, "no space left on the device (ENOSPC) writing "
                                 f"--trace-samples {fs / 'trace'}/rank", "; 0 B free of 8.0 KiB",
                                 "the run stopped at step 2, which is checkpointed", ranks=2)

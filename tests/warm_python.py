@@ -1,0 +1,272 @@
+"""A warm interpreter for the tests' one-process runs of the project's scripts.
+
+Every `python train.py ...` the suite starts spends about 5 s of CPU importing torch,
+torch._dynamo (the optimizer's first step imports it) and lancedb's dependencies before its
+first line of its own; the run itself often takes a fraction of that, and the suite starts
+hundreds. This server imports those once and forks a child per run, which then runs the
+script as `python SCRIPT ARGS` would: its own argv, working directory, environment, stdin,
+stdout and stderr, session, default signal handlers, `__name__ == "__main__"`, exit code
+(or death by signal), atexit handlers and non-daemon threads joined at exit.
+
+Not preloaded: lancedb itself, whose import starts an event-loop thread that a fork would
+leave dead in the child (its dependencies, pyarrow, pandas and lance-namespace's models, are
+safe). The server runs nothing of torch's, so no thread pool exists to be forked.
+
+What differs from a cold start, and why the suite keeps cold starts where it matters:
+- a warning printed while importing the preloaded modules would go to the server's stderr,
+  not the run's: the server refuses to start if its preload prints anything;
+- the run's process is a child of the server, not of the test, and its command line is the
+  server's: tests that walk process trees, find processes by command line or send signals
+  start their runs cold (conftest.start_train, torchrun);
+- library state set from the environment at import time is the server's, except
+  OMP_NUM_THREADS (torchrun sets it for its ranks), which the child applies to torch.
+
+    python tests/warm_python.py serve SOCKET    the server (conftest starts one per test process)
+    python tests/warm_python.py SOCKET SCRIPT [ARGS...]   one run: this client passes its
+        stdio, directory and environment to the server, relays signals to the run, and exits
+        as the run did; killed, it takes the run (its whole process group) with it.
+"""
+
+import contextlib
+import io
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "numpy", "pyarrow", "pyarrow.dataset",
+           "pyarrow.parquet", "pyarrow.compute", "pandas", "pydantic", "lance_namespace", "tokenizers",
+           "transformers", "tqdm")
+
+
+def send_msg(sock, obj, fds=()):
+    data = json.dumps(obj).encode()
+    payload = struct.pack("!I", len(data)) + data
+    if fds:
+        socket.send_fds(sock, [payload], list(fds))
+    else:
+        sock.sendall(payload)
+
+
+def recv_msg(sock, maxfds=0):
+    """One length-prefixed JSON message (and up to `maxfds` file descriptors); None at EOF."""
+    head, fds = b"", []
+    while len(head) < 4:
+        if maxfds:
+            chunk, got, _, _ = socket.recv_fds(sock, 4 - len(head), maxfds)
+            fds += got
+        else:
+            chunk = sock.recv(4 - len(head))
+        if not chunk:
+            return None
+        head += chunk
+    size, data = struct.unpack("!I", head)[0], b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return (json.loads(data), fds) if maxfds else json.loads(data)
+
+
+# ── The server ───────────────────────────────────────────────────────────────────────
+
+def preload():
+    """Import PRELOAD (what is installed of it); fail if anything is printed meanwhile."""
+    import importlib
+
+    real = sys.stdout, sys.stderr
+    sys.stdout = sys.stderr = captured = io.StringIO()
+    try:
+        for name in PRELOAD:
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                pass
+    finally:
+        sys.stdout, sys.stderr = real
+    if captured.getvalue():
+        raise SystemExit(f"warm_python: importing {', '.join(PRELOAD)} printed:\n{captured.getvalue()}")
+
+
+def serve(path):
+    import selectors
+
+    preload()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    print("ready", flush=True)
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ, ("accept", None))
+    sel.register(sys.stdin, selectors.EVENT_READ, ("parent", None))  # EOF: the test process is gone
+    runs = {}  # pid -> (client socket, pidfd)
+    while True:
+        for key, _ in sel.select():
+            kind, value = key.data
+            if kind == "parent":
+                if not os.read(sys.stdin.fileno(), 1):
+                    for pid in runs:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.killpg(pid, signal.SIGKILL)
+                    return
+                continue
+            if kind == "accept":
+                conn, _ = listener.accept()
+                got = recv_msg(conn, maxfds=3)
+                if got is None:
+                    conn.close()
+                    continue
+                request, fds = got
+                sys.stdout.flush(), sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    sel.close()
+                    listener.close()
+                    for other, _ in runs.values():
+                        other.close()
+                    run_child(conn, request, fds)  # never returns
+                for fd in fds:
+                    os.close(fd)
+                pidfd = os.pidfd_open(pid)
+                runs[pid] = (conn, pidfd)
+                send_msg(conn, {"pid": pid})
+                sel.register(pidfd, selectors.EVENT_READ, ("exited", pid))
+                sel.register(conn, selectors.EVENT_READ, ("client", pid))
+            elif kind == "exited":
+                pid = value
+                conn, pidfd = runs.pop(pid)
+                _, status = os.waitpid(pid, 0)
+                sel.unregister(pidfd), sel.unregister(conn)
+                os.close(pidfd)
+                try:
+                    send_msg(conn, {"status": status})
+                except OSError:
+                    pass
+                conn.close()
+            else:  # the client closed its end or died: the run goes with it
+                pid = value
+                conn, pidfd = runs[pid]
+                try:
+                    if conn.recv(1):
+                        continue
+                except OSError:
+                    pass
+                sel.unregister(conn)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+
+
+def run_child(conn, request, fds):
+    """In the forked child: become `python SCRIPT ARGS` and run it to the end."""
+    import atexit
+    import runpy
+    import threading
+
+    os.setsid()  # a session and process group of its own, as the client's Popen asked
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    conn.close()
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:  # read by OpenMP when torch loaded, in the server: as then
+        import torch
+
+        torch.set_num_threads(int(threads))
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+    sys.stdin = io.TextIOWrapper(io.open(0, "rb", closefd=False), errors="strict")
+    sys.stdout = io.TextIOWrapper(io.open(1, "wb", buffering=0 if unbuffered else -1, closefd=False),
+                                  write_through=unbuffered, line_buffering=False)
+    sys.stderr = io.TextIOWrapper(io.open(2, "wb", buffering=0 if unbuffered else -1, closefd=False),
+                                  errors="backslashreplace", write_through=True, line_buffering=True)
+    sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
+    script = os.path.abspath(request["argv"][0])
+    sys.argv = request["argv"]
+    sys.path[0] = os.path.dirname(script)
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    sys.path[1:1] = extra  # as the interpreter puts $PYTHONPATH after the script's directory
+    code, by_signal = 0, None
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        code = exit_code(e.code)
+    except KeyboardInterrupt:
+        report(script)
+        by_signal = signal.SIGINT
+    except BaseException:
+        report(script)
+        code = 1
+    try:
+        threading._shutdown()
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+    if by_signal:
+        signal.signal(by_signal, signal.SIG_DFL)
+        os.kill(os.getpid(), by_signal)
+    os._exit(code)
+
+
+def report(script):
+    """Print the exception being handled as the interpreter would: its traceback starts at
+    the script's frame, without this module's and runpy's."""
+    kind, value, tb = sys.exc_info()
+    while tb is not None and tb.tb_frame.f_code.co_filename != script:
+        tb = tb.tb_next
+    sys.excepthook(kind, value, tb or value.__traceback__)
+
+
+def exit_code(code):
+    """What the interpreter exits with for SystemExit(code)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+# ── The client ───────────────────────────────────────────────────────────────────────
+
+def client(path, argv):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    send_msg(sock, {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}, fds=(0, 1, 2))
+    pid = recv_msg(sock)["pid"]
+
+    def relay(sig, _frame):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+        signal.signal(sig, relay)
+    reply = recv_msg(sock)
+    if reply is None:
+        sys.exit("warm_python: the server went away")
+    status = reply["status"]
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "serve":
+        serve(sys.argv[2])
+    else:
+        client(sys.argv[1], sys.argv[2:])
