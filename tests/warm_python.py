@@ -89,6 +89,11 @@ def preload():
         sys.stdout, sys.stderr = real
     if captured.getvalue():
         raise SystemExit(f"warm_python: importing {', '.join(PRELOAD)} printed:\n{captured.getvalue()}")
+    # A run imports the project's modules from its script's directory; none may be here already.
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ours = {name[:-3] for name in os.listdir(repo) if name.endswith(".py")} & set(sys.modules)
+    if ours:
+        raise SystemExit(f"warm_python: the preload imported modules named as the project's: {sorted(ours)}")
 
 
 def serve(path):
@@ -225,7 +230,9 @@ def report(script):
     kind, value, tb = sys.exc_info()
     while tb is not None and tb.tb_frame.f_code.co_filename != script:
         tb = tb.tb_next
-    sys.excepthook(kind, value, tb or value.__traceback__)
+    if tb is not None:
+        value = value.with_traceback(tb)
+    sys.excepthook(kind, value, value.__traceback__)
 
 
 def exit_code(code):
@@ -260,7 +267,8 @@ def client(path, argv):
     status = reply["status"]
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        signal.signal(sig, signal.SIG_DFL)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
     os._exit(os.waitstatus_to_exitcode(status))
 

@@ -1,0 +1,67 @@
+"""tests/warm_python.py, which most of the suite's runs go through, must be indistinguishable
+from `python SCRIPT`: the same stdout, stderr (tracebacks included), exit code or death by
+signal, argv, `__name__`, atexit handlers and threads; and a killed client takes its run with it."""
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import is_alive, warm_python
+
+SCRIPTS = {
+    "exit code": "raise SystemExit(3)",
+    "traceback": "def f():\n    raise ValueError('x')\nf()",
+    "exit message": "import sys; sys.exit('msg')",
+    "ctrl-c": "raise KeyboardInterrupt",
+    "signal": "import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+    "argv and name": "import os, sys; print(sys.argv, __name__, __file__, os.getcwd(), os.environ['WARM_PROBE'])",
+    "atexit and threads": """
+        import atexit, threading, time
+        atexit.register(lambda: print('atexit'))
+        threading.Thread(target=lambda: (time.sleep(0.3), print('thread'))).start()
+        print('main')""",
+    "unbuffered stdout": "import sys; print('out'); print('err', file=sys.stderr); print('out again')",
+    "torch threads": "import torch; print(torch.get_num_threads())",
+}
+
+
+@pytest.fixture(scope="module")
+def warm():
+    command = warm_python()
+    if command is None:
+        pytest.skip("TESTS_COLD_START=1: no warm interpreter to check")
+    return command
+
+
+@pytest.mark.parametrize("source", SCRIPTS.values(), ids=SCRIPTS.keys())
+def test_a_warm_run_is_a_cold_run(warm, tmp_path, source):
+    script = tmp_path / "s.py"
+    script.write_text(textwrap.dedent(source).strip() + "\n")
+    env = {"PYTHONUNBUFFERED": "1", "WARM_PROBE": "42", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    runs = [subprocess.run([*prefix, str(script), "an arg"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=60) for prefix in ([sys.executable], warm)]
+    cold, hot = ((r.returncode, r.stdout, r.stderr) for r in runs)
+    assert hot == cold
+
+
+def test_a_killed_client_takes_its_run_with_it(warm, tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text("import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(120)\n")
+    client = subprocess.Popen([*warm, str(script)], stdout=subprocess.PIPE, text=True)
+    run = int(client.stdout.readline())
+    assert run != client.pid and is_alive(run)
+    client.send_signal(signal.SIGTERM)  # relayed: the run dies of it, and the client as it did
+    assert client.wait(timeout=30) == -signal.SIGTERM
+
+    client = subprocess.Popen([*warm, str(script)], stdout=subprocess.PIPE, text=True)
+    run = int(client.stdout.readline())
+    client.kill()  # nothing to relay: the server sees the client gone
+    client.wait()
+    deadline = time.monotonic() + 30
+    while is_alive(run) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not is_alive(run)
