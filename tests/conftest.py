@@ -372,8 +372,8 @@ def start_train(nproc, *args, cwd, stdout=subprocess.PIPE, stderr=subprocess.PIP
 
 def run_train(nproc, *args, cwd, timeout=300, cold=False):
     """Run train.py on `nproc` ranks to the end; a run past `timeout` has its whole tree
-    killed and fails the test (CompletedProcess otherwise, any exit code). One rank runs warm
-    unless `cold` (see script_command)."""
+    killed and fails the test (CompletedProcess otherwise, any exit code). Warm unless `cold`
+    (see train_command)."""
     proc = start_train(nproc, *args, cwd=cwd, cold=cold)
     try:
         out, err = proc.communicate(timeout=timeout)

@@ -48,7 +48,7 @@ def test_a_warm_run_is_a_cold_run(warm, tmp_path, source):
     assert hot == cold
 
 
-def test_a_killed_client_takes_its_run_with_it(warm, tmp_path):
+def test_a_killed_client_takes_its_run_with_it_and_the_server_serves_on(warm, tmp_path):
     script = tmp_path / "s.py"
     script.write_text("import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(120)\n")
     client = subprocess.Popen([*warm, str(script)], stdout=subprocess.PIPE, text=True)
@@ -65,3 +65,20 @@ def test_a_killed_client_takes_its_run_with_it(warm, tmp_path):
     while is_alive(run) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not is_alive(run)
+
+    # and the server serves on, many runs at once, some of whose clients die as they start
+    clients = [subprocess.Popen([*warm, str(script)], stdout=subprocess.PIPE, text=True) for _ in range(6)]
+    for client in clients[::2]:
+        client.kill()
+    runs = [int(client.stdout.readline()) for client in clients[1::2]]
+    for client in clients[1::2]:
+        client.terminate()
+    assert [client.wait(timeout=30) for client in clients] == [-signal.SIGKILL, -signal.SIGTERM] * 3
+    deadline = time.monotonic() + 30
+    while any(map(is_alive, runs)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(is_alive, runs))
+    missing = str(tmp_path / "missing.py")
+    hot, cold = (subprocess.run([*prefix, missing], capture_output=True, text=True, timeout=60)
+                 for prefix in (warm, [sys.executable]))
+    assert (hot.returncode, hot.stderr) == (cold.returncode, cold.stderr) == (2, hot.stderr)  # served

@@ -98,6 +98,7 @@ def preload():
 
 def serve(path):
     import selectors
+    import traceback
 
     preload()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -107,61 +108,76 @@ def serve(path):
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ, ("accept", None))
     sel.register(sys.stdin, selectors.EVENT_READ, ("parent", None))  # EOF: the test process is gone
-    runs = {}  # pid -> (client socket, pidfd)
+    runs = {}  # pid -> (client socket or None once it is gone, pidfd)
+
+    def kill_run(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)  # the run and what it started in its session
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)  # a run killed before its setsid
+
+    def start_run(conn):
+        got = recv_msg(conn, maxfds=3)
+        if got is None:
+            conn.close()
+            return
+        request, fds = got
+        sys.stdout.flush(), sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            sel.close()
+            listener.close()
+            for other, _ in runs.values():
+                if other is not None:
+                    other.close()
+            run_child(conn, request, fds)  # never returns
+        for fd in fds:
+            os.close(fd)
+        runs[pid] = (conn, os.pidfd_open(pid))
+        sel.register(runs[pid][1], selectors.EVENT_READ, ("exited", pid))
+        sel.register(conn, selectors.EVENT_READ, ("client", pid))
+        with contextlib.suppress(OSError):  # a client gone by now is seen as gone next
+            send_msg(conn, {"pid": pid})
+
+    def run_exited(pid):
+        conn, pidfd = runs.pop(pid)
+        _, status = os.waitpid(pid, 0)
+        sel.unregister(pidfd)
+        os.close(pidfd)
+        if conn is not None:
+            sel.unregister(conn)
+            with contextlib.suppress(OSError):
+                send_msg(conn, {"status": status})
+            conn.close()
+
+    def client_gone(pid):
+        """The client's end is readable: it sends nothing after its request, so it closed
+        (it died): the run goes with it."""
+        conn, pidfd = runs[pid]
+        sel.unregister(conn)
+        conn.close()
+        runs[pid] = (None, pidfd)
+        kill_run(pid)
+
     while True:
         for key, _ in sel.select():
-            kind, value = key.data
-            if kind == "parent":
-                if not os.read(sys.stdin.fileno(), 1):
-                    for pid in runs:
-                        with contextlib.suppress(ProcessLookupError):
-                            os.killpg(pid, signal.SIGKILL)
-                    return
-                continue
-            if kind == "accept":
-                conn, _ = listener.accept()
-                got = recv_msg(conn, maxfds=3)
-                if got is None:
-                    conn.close()
-                    continue
-                request, fds = got
-                sys.stdout.flush(), sys.stderr.flush()
-                pid = os.fork()
-                if pid == 0:
-                    sel.close()
-                    listener.close()
-                    for other, _ in runs.values():
-                        other.close()
-                    run_child(conn, request, fds)  # never returns
-                for fd in fds:
-                    os.close(fd)
-                pidfd = os.pidfd_open(pid)
-                runs[pid] = (conn, pidfd)
-                send_msg(conn, {"pid": pid})
-                sel.register(pidfd, selectors.EVENT_READ, ("exited", pid))
-                sel.register(conn, selectors.EVENT_READ, ("client", pid))
-            elif kind == "exited":
-                pid = value
-                conn, pidfd = runs.pop(pid)
-                _, status = os.waitpid(pid, 0)
-                sel.unregister(pidfd), sel.unregister(conn)
-                os.close(pidfd)
-                try:
-                    send_msg(conn, {"status": status})
-                except OSError:
-                    pass
-                conn.close()
-            else:  # the client closed its end or died: the run goes with it
-                pid = value
-                conn, pidfd = runs[pid]
-                try:
-                    if conn.recv(1):
-                        continue
-                except OSError:
-                    pass
-                sel.unregister(conn)
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)
+            kind, pid = key.data
+            try:
+                if kind == "parent":
+                    if not os.read(sys.stdin.fileno(), 1):
+                        for pid in runs:
+                            kill_run(pid)
+                        return
+                elif kind == "accept":
+                    conn, _ = listener.accept()
+                    try:
+                        start_run(conn)
+                    except OSError:  # the client died while asking: nothing was started
+                        conn.close()
+                elif pid in runs and (kind == "exited" or runs[pid][0] is not None):  # not handled earlier in this batch
+                    (run_exited if kind == "exited" else client_gone)(pid)
+            except Exception:  # the server serves on: one run's trouble is that run's
+                traceback.print_exc()
 
 
 def run_child(conn, request, fds):
@@ -199,6 +215,10 @@ def run_child(conn, request, fds):
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
     sys.path[1:1] = extra  # as the interpreter puts $PYTHONPATH after the script's directory
     code, by_signal = 0, None
+    if not os.path.isfile(script):
+        print(f"{sys.executable}: can't open file {request['argv'][0]!r}: [Errno 2] No such file or directory",
+              file=sys.stderr)
+        os._exit(2)
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
@@ -251,7 +271,10 @@ def client(path, argv):
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(path)
     send_msg(sock, {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}, fds=(0, 1, 2))
-    pid = recv_msg(sock)["pid"]
+    started = recv_msg(sock)
+    if started is None:
+        sys.exit("warm_python: the server went away")
+    pid = started["pid"]
 
     def relay(sig, _frame):
         try:
