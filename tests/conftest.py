@@ -81,9 +81,9 @@ _warm = {}
 
 
 def warm_python() -> list[str] | None:
-    """The command prefix that runs a script in a fork of this test process's warm server
-    (started at the first call, gone with this process); None under TESTS_COLD_START=1,
-    which starts every run cold."""
+    """The command prefix that runs a script (or `-m MODULE`) in a fork of this test process's
+    warm server (started at the first call, gone with this process); None under
+    TESTS_COLD_START=1, which starts every run cold."""
     if os.environ.get("TESTS_COLD_START") == "1":
         return None
     if "command" not in _warm:
@@ -244,14 +244,14 @@ def state_equal(a, b):
 
 def train_command(nproc, *args, cold=True):
     """`python train.py ...` for one rank, `python -m torch.distributed.run ... train.py ...` for
-    more; warm unless `cold` (see script_command): torchrun then starts each rank through the
-    warm interpreter (`--no-python`); the agent itself starts cold."""
+    more; warm unless `cold` (see script_command): torchrun's agent then runs in the warm
+    interpreter, and starts each rank through it (`--no-python`)."""
     args = [str(a) for a in args]
     if nproc == 1:
         return script_command("train.py", *args, cold=cold)
     warm = None if cold else warm_python()
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-            *(["--no-python", *warm] if warm else []), str(REPO / "train.py"), *args]
+    return [*(warm or [sys.executable]), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            str(nproc), *(["--no-python", *warm] if warm else []), str(REPO / "train.py"), *args]
 
 
 def _proc_stat(pid):

@@ -1,5 +1,5 @@
 """tests/warm_python.py, which most of the suite's runs go through, must be indistinguishable
-from `python SCRIPT`: the same stdout, stderr (tracebacks included), exit code or death by
+from `python SCRIPT` and `python -m MODULE`: the same stdout, stderr (tracebacks included), exit code or death by
 signal, argv, `__name__`, atexit handlers and threads; and a killed client takes its run with it."""
 
 import signal
@@ -37,12 +37,14 @@ def warm():
     return command
 
 
+@pytest.mark.parametrize("as_module", [False, True], ids=["script", "-m"])
 @pytest.mark.parametrize("source", SCRIPTS.values(), ids=SCRIPTS.keys())
-def test_a_warm_run_is_a_cold_run(warm, tmp_path, source):
+def test_a_warm_run_is_a_cold_run(warm, tmp_path, source, as_module):
     script = tmp_path / "s.py"
     script.write_text(textwrap.dedent(source).strip() + "\n")
     env = {"PYTHONUNBUFFERED": "1", "WARM_PROBE": "42", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
-    runs = [subprocess.run([*prefix, str(script), "an arg"], cwd=tmp_path, env=env, capture_output=True, text=True,
+    target = ["-m", "s"] if as_module else [str(script)]  # -m: found in the working directory
+    runs = [subprocess.run([*prefix, *target, "an arg"], cwd=tmp_path, env=env, capture_output=True, text=True,
                            timeout=60) for prefix in ([sys.executable], warm)]
     cold, hot = ((r.returncode, r.stdout, r.stderr) for r in runs)
     assert hot == cold
@@ -82,3 +84,6 @@ def test_a_killed_client_takes_its_run_with_it_and_the_server_serves_on(warm, tm
     hot, cold = (subprocess.run([*prefix, missing], capture_output=True, text=True, timeout=60)
                  for prefix in (warm, [sys.executable]))
     assert (hot.returncode, hot.stderr) == (cold.returncode, cold.stderr) == (2, hot.stderr)  # served
+    hot, cold = (subprocess.run([*prefix, "-m", "no_such_module"], capture_output=True, text=True, timeout=60)
+                 for prefix in (warm, [sys.executable]))
+    assert (hot.returncode, hot.stderr) == (cold.returncode, cold.stderr) == (1, hot.stderr)

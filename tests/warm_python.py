@@ -22,7 +22,7 @@ What differs from a cold start, and why the suite keeps cold starts where it mat
   OMP_NUM_THREADS (torchrun sets it for its ranks), which the child applies to torch.
 
     python tests/warm_python.py serve SOCKET    the server (conftest starts one per test process)
-    python tests/warm_python.py SOCKET SCRIPT [ARGS...]   one run: this client passes its
+    python tests/warm_python.py SOCKET (SCRIPT | -m MODULE) [ARGS...]   one run: this client passes its
         stdio, directory and environment to the server, relays signals to the run, and exits
         as the run did; killed, it takes the run (its whole process group) with it.
 """
@@ -36,9 +36,10 @@ import socket
 import struct
 import sys
 
-PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "numpy", "pyarrow", "pyarrow.dataset",
-           "pyarrow.parquet", "pyarrow.compute", "pandas", "pydantic", "lance_namespace", "tokenizers",
-           "transformers", "tqdm")
+# Not torch.distributed.run itself: run as `-m` after an import, runpy warns on stderr.
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.launcher.api", "numpy", "pyarrow",
+           "pyarrow.dataset", "pyarrow.parquet", "pyarrow.compute", "pandas", "pydantic", "lance_namespace",
+           "tokenizers", "transformers", "tqdm")
 
 
 def send_msg(sock, obj, fds=()):
@@ -181,7 +182,8 @@ def serve(path):
 
 
 def run_child(conn, request, fds):
-    """In the forked child: become `python SCRIPT ARGS` and run it to the end."""
+    """In the forked child: become `python SCRIPT ARGS` (or `python -m MODULE ARGS`) and run it
+    to the end."""
     import atexit
     import runpy
     import threading
@@ -209,25 +211,32 @@ def run_child(conn, request, fds):
     sys.stderr = io.TextIOWrapper(io.open(2, "wb", buffering=0 if unbuffered else -1, closefd=False),
                                   errors="backslashreplace", write_through=True, line_buffering=True)
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
-    script = os.path.abspath(request["argv"][0])
-    sys.argv = request["argv"]
-    sys.path[0] = os.path.dirname(script)
+    argv = request["argv"]
+    code, by_signal = 0, None
+    if argv[0] == "-m":  # python -m MODULE ARGS: runpy's own entry for it
+        sys.argv, first = ["-m", *argv[2:]], runpy._run_module_as_main.__code__.co_filename
+        sys.path[0] = os.getcwd()
+        run = lambda: runpy._run_module_as_main(argv[1])  # noqa: E731
+    else:
+        script = first = os.path.abspath(argv[0])
+        sys.argv = argv
+        sys.path[0] = os.path.dirname(script)
+        if not os.path.isfile(script):
+            print(f"{sys.executable}: can't open file {argv[0]!r}: [Errno 2] No such file or directory",
+                  file=sys.stderr)
+            os._exit(2)
+        run = lambda: runpy.run_path(script, run_name="__main__")  # noqa: E731
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
     sys.path[1:1] = extra  # as the interpreter puts $PYTHONPATH after the script's directory
-    code, by_signal = 0, None
-    if not os.path.isfile(script):
-        print(f"{sys.executable}: can't open file {request['argv'][0]!r}: [Errno 2] No such file or directory",
-              file=sys.stderr)
-        os._exit(2)
     try:
-        runpy.run_path(script, run_name="__main__")
+        run()
     except SystemExit as e:
         code = exit_code(e.code)
     except KeyboardInterrupt:
-        report(script)
+        report(first)
         by_signal = signal.SIGINT
     except BaseException:
-        report(script)
+        report(first)
         code = 1
     try:
         threading._shutdown()
@@ -244,11 +253,11 @@ def run_child(conn, request, fds):
     os._exit(code)
 
 
-def report(script):
-    """Print the exception being handled as the interpreter would: its traceback starts at
-    the script's frame, without this module's and runpy's."""
+def report(first):
+    """Print the exception being handled as the interpreter would: its traceback starts at the
+    first frame of file `first` (the script, or runpy's for -m), without this module's."""
     kind, value, tb = sys.exc_info()
-    while tb is not None and tb.tb_frame.f_code.co_filename != script:
+    while tb is not None and tb.tb_frame.f_code.co_filename != first:
         tb = tb.tb_next
     if tb is not None:
         value = value.with_traceback(tb)
