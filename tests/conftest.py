@@ -98,8 +98,20 @@ def warm_python() -> list[str] | None:
             server.kill()
             raise RuntimeError(f"tests/warm_python.py did not start (exit {server.wait()})")
         atexit.register(lambda: (server.stdin.close(), server.wait()))
-        _warm["command"] = [sys.executable, str(REPO / "tests" / "warm_python.py"), sock]
+        _warm.update(command=[sys.executable, str(REPO / "tests" / "warm_python.py"), sock],
+                     registry=os.path.join(os.path.dirname(sock), "runs"), server=server.pid)
     return _warm["command"]
+
+
+def warm_run_of(client):
+    """The pid of the run that the warm client `client` started (the server records it), or None."""
+    if "registry" not in _warm:
+        return None
+    try:
+        with open(os.path.join(_warm["registry"], str(client))) as f:
+            return int(f.read())
+    except (FileNotFoundError, ValueError):
+        return None
 
 
 def script_command(script, *args, cold=False) -> list[str]:
@@ -274,6 +286,7 @@ def process_tree(root):
 
     torchrun starts its workers in sessions of their own, so a process group or
     session does not cover them; the parent links do, as long as nobody has died yet.
+    A warm client's run counts as its child (tests/warm_python.py: the server's child).
     """
     children = {}
     for pid in _all_pids():
@@ -286,6 +299,9 @@ def process_tree(root):
         if _proc_stat(pid):
             tree.append(pid)
         todo.extend(children.get(pid, ()))
+        run = warm_run_of(pid)
+        if run and (stat := _proc_stat(run)) and stat[1] == _warm["server"]:  # not a reused pid
+            todo.append(run)
     return tree
 
 
@@ -349,8 +365,10 @@ def pids_mentioning(fragment):
 
 
 def session_pids(sid):
-    """Live processes of session `sid` (a run started with start_new_session=True and its helpers)."""
-    return [pid for pid in _all_pids() if (s := _proc_stat(pid)) and s[2] == sid and is_alive(pid)]
+    """Live processes of session `sid` (a run started with start_new_session=True and its
+    helpers); for a warm client, of its run's session too (the run's own pid)."""
+    sids = {sid, warm_run_of(sid)}
+    return [pid for pid in _all_pids() if (s := _proc_stat(pid)) and s[2] in sids and is_alive(pid)]
 
 
 def sigint_at_default() -> None:

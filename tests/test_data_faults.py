@@ -124,7 +124,7 @@ class Run:
 
     def __init__(self, nproc, args, cwd):
         self.err = open(cwd / f"stderr-{time.monotonic_ns()}", "w+")
-        self.proc = start_train(nproc, *args, cwd=cwd, stderr=self.err)
+        self.proc = start_train(nproc, *args, cwd=cwd, stderr=self.err, cold=False)  # process_tree follows it
         self.lines, self.seen = [], threading.Condition()
         self.tree = []
         threading.Thread(target=self._read, daemon=True).start()

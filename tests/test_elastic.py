@@ -256,8 +256,7 @@ def worker_runs(demo_db, tmp_path_factory):
     jobs = [(1, flags(demo_db, 1, path, "--num-workers", 2, "--steps", HALF, "--ckpt-dir",
                       root / f"ck-{path}", "--trace-samples", root / f"trace-{path}"))
             for path in ("row", "pack")]
-    # must exit by itself (no hang at teardown); cold, so that its session holds its workers
-    procs = run_trains(jobs, cwd=root, timeout=150, cold=True)
+    procs = run_trains(jobs, cwd=root, timeout=150)  # must exit by itself: no hang at teardown
     return {path: (proc, root / f"trace-{path}") for path, proc in zip(("row", "pack"), procs)}
 
 

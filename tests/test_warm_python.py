@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import is_alive, warm_python
+from conftest import is_alive, kill_tree, process_tree, session_pids, wait_gone, warm_python
 
 SCRIPTS = {
     "exit code": "raise SystemExit(3)",
@@ -87,3 +87,18 @@ def test_a_killed_client_takes_its_run_with_it_and_the_server_serves_on(warm, tm
     hot, cold = (subprocess.run([*prefix, "-m", "no_such_module"], capture_output=True, text=True, timeout=60)
                  for prefix in (warm, [sys.executable]))
     assert (hot.returncode, hot.stderr) == (cold.returncode, cold.stderr) == (1, hot.stderr)
+
+
+def test_process_tree_and_session_pids_follow_a_client_to_its_run(warm, tmp_path):
+    """What the fault tests rely on to find everything a warm run started, and kill it."""
+    script = tmp_path / "s.py"
+    script.write_text("import os, subprocess, sys, time\n"
+                      "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+                      "print(os.getpid(), child.pid, flush=True)\ntime.sleep(120)\n")
+    client = subprocess.Popen([*warm, str(script)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    run, child = map(int, client.stdout.readline().split())
+    assert process_tree(client.pid) == [client.pid, run, child]
+    assert sorted(session_pids(client.pid)) == sorted([client.pid, run, child])
+    killed = kill_tree(client.pid)
+    assert sorted(killed) == sorted([client.pid, run, child]) and wait_gone(killed) == []
+    client.wait()

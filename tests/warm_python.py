@@ -15,9 +15,11 @@ safe). The server runs nothing of torch's, so no thread pool exists to be forked
 What differs from a cold start, and why the suite keeps cold starts where it matters:
 - a warning printed while importing the preloaded modules would go to the server's stderr,
   not the run's: the server refuses to start if its preload prints anything;
-- the run's process is a child of the server, not of the test, and its command line is the
-  server's: tests that walk process trees, find processes by command line or send signals
-  start their runs cold (conftest.start_train, torchrun);
+- the run's process is a child of the server, not of the client, in a session of its own:
+  the server records each client's run in runs/CLIENT_PID beside its socket, which
+  conftest's process_tree and session_pids follow. Its command line, environment block
+  (/proc/PID/environ) and parent are the server's: tests that find processes by those, or
+  whose run must outlive or notice its parent, start their runs cold;
 - library state set from the environment at import time is the server's, except
   OMP_NUM_THREADS (torchrun sets it for its ranks), which the child applies to torch.
 
@@ -105,6 +107,8 @@ def serve(path):
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
+    registry = os.path.join(os.path.dirname(path), "runs")  # client pid -> its run's pid, for the tests
+    os.makedirs(registry, exist_ok=True)
     print("ready", flush=True)
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ, ("accept", None))
@@ -134,6 +138,10 @@ def serve(path):
             run_child(conn, request, fds)  # never returns
         for fd in fds:
             os.close(fd)
+        entry = os.path.join(registry, str(request["client"]))
+        with open(entry + ".tmp", "w") as f:
+            f.write(str(pid))
+        os.replace(entry + ".tmp", entry)  # kept after the run: a test looks for what it left
         runs[pid] = (conn, os.pidfd_open(pid))
         sel.register(runs[pid][1], selectors.EVENT_READ, ("exited", pid))
         sel.register(conn, selectors.EVENT_READ, ("client", pid))
@@ -279,7 +287,8 @@ def exit_code(code):
 def client(path, argv):
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(path)
-    send_msg(sock, {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}, fds=(0, 1, 2))
+    send_msg(sock, {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "client": os.getpid()},
+             fds=(0, 1, 2))
     started = recv_msg(sock)
     if started is None:
         sys.exit("warm_python: the server went away")
