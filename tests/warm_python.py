@@ -1,4 +1,4 @@
-"""A warm interpreter for the tests' one-process runs of the project's scripts.
+"""A warm interpreter for the tests' runs of the project's scripts (and torchrun's).
 
 Every `python train.py ...` the suite starts spends about 5 s of CPU importing torch,
 torch._dynamo (the optimizer's first step imports it) and lancedb's dependencies before its
@@ -47,10 +47,8 @@ PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.lau
 def send_msg(sock, obj, fds=()):
     data = json.dumps(obj).encode()
     payload = struct.pack("!I", len(data)) + data
-    if fds:
-        socket.send_fds(sock, [payload], list(fds))
-    else:
-        sock.sendall(payload)
+    sent = socket.send_fds(sock, [payload], list(fds)) if fds else 0  # the fds ride on the first bytes
+    sock.sendall(payload[sent:])
 
 
 def recv_msg(sock, maxfds=0):
@@ -132,7 +130,8 @@ def serve(path):
         if pid == 0:
             sel.close()
             listener.close()
-            for other, _ in runs.values():
+            for other, pidfd in runs.values():  # nothing of the other runs stays open in this one
+                os.close(pidfd)
                 if other is not None:
                     other.close()
             run_child(conn, request, fds)  # never returns
