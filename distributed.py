@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
+import time
+import uuid
 
 import torch
 import torch.distributed as dist
@@ -31,9 +34,74 @@ def setup_distributed(timeout_s: int) -> tuple[int, int, torch.device]:
         device = torch.device("cpu")
     if world_size > 1:
         backend, bound = ("nccl", {"device_id": device}) if device.type == "cuda" else ("gloo", {})
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s), **bound)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = worker_group_store(rank, world_size, timeout)
+        if store is not None:
+            bound["store"] = store
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **bound)
     return rank, world_size, device
+
+
+# The agent-store key under which rank 0 publishes its worker group's own store.
+GROUP_STORE_KEY = "lance-gpt-pretrain/worker_group_store"
+GROUP_STORE_CONNECT_S = 2.0  # per try: a stale address is refused at once, a live one answers in ms
+
+
+def worker_group_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """A store of this worker group's own, under torchrun's agent; None elsewhere (env://).
+
+    Why: torchrun (torch 2.5 and later) shares its agent's TCPStore with the workers
+    (TORCHELASTIC_USE_AGENT_STORE=True) and no longer prefixes the workers' keys per
+    attempt. A worker group the agent restarts (--max-restarts) or re-forms (--nnodes
+    MIN:MAX) then reads the process-group keys the dead group left there, and gloo or NCCL
+    connects to a dead peer's address: the restart fails ("Connection refused"), measured
+    here with torch 2.14 (pytorch/pytorch issues 135712 and 167288). So rank 0 hosts a new
+    store on a free port and publishes its address, with a nonce, in the agent's store; the
+    other ranks connect to the address published there, re-reading it while it points to a
+    store that is gone or is not the one with that nonce. Delete this once torchrun gives
+    each worker group a fresh store (or set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for the
+    agents, which does that today).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    if rank == 0:
+        nonce = uuid.uuid4().hex
+        own = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        own.set("nonce", nonce)
+        agent.set(GROUP_STORE_KEY, f"{own.port} {nonce}")
+        return own
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        own_port, nonce = agent.get(GROUP_STORE_KEY).decode().split()
+        own = listening(host, int(own_port)) and connect_store(host, int(own_port), nonce)
+        if own:
+            own.set_timeout(timeout)
+            return own
+        if time.monotonic() > deadline:
+            raise dist.DistStoreError(f"rank {rank} found no store of its worker group's rank 0 in torchrun's "
+                                      f"agent store at {host}:{port} within {timeout.total_seconds():.0f} s")
+        time.sleep(0.05)
+
+
+def listening(host: str, port: int) -> bool:
+    """Whether something accepts connections at host:port: a dead group's store is refused at
+    once here, where TCPStore's client would retry it (and log each try) for its timeout."""
+    try:
+        socket.create_connection((host, port), timeout=GROUP_STORE_CONNECT_S).close()
+        return True
+    except OSError:
+        return False
+
+
+def connect_store(host: str, port: int, nonce: str) -> dist.Store | None:
+    """A client of the store at host:port if it is the one that holds `nonce`, else None."""
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=GROUP_STORE_CONNECT_S))
+        return store if store.check(["nonce"]) and store.get("nonce").decode() == nonce else None
+    except (RuntimeError, dist.DistError):  # not a TCPStore, or gone since
+        return None
 
 
 def barrier(world_size: int) -> None:
