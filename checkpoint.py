@@ -30,9 +30,11 @@ import torch.distributed as dist
 import storage
 from ckpt_lock import CheckpointDirLock
 from common import StorageFault, UserError, atomic_replace, out_of_space
-from distributed import broadcast_from_main, first_fault
+from distributed import broadcast_from_main, elastic_attempt, first_fault
 
 CKPT_NAME = re.compile(r"^step_(\d{8})\.pt$")
+LOADER_FILE = re.compile(r"^step_(\d{8})_dsrank\d+\.pt$")
+RESUME_IF_ANY = "if-any"  # --resume: the newest complete checkpoint if there is one, else a fresh start
 
 
 # What torch's weights_only unpickler says, within its long multi-line refusal: "Unsupported
@@ -271,16 +273,82 @@ def newest_checkpoint(ckpt_dir: str, load: Callable[[str], object]) -> tuple[str
     return None
 
 
-def load_resume(resume: str, ckpt_dir: str) -> tuple[str, dict, dict | None]:
-    """--resume PATH or 'auto' (the newest complete step in `ckpt_dir`), as
-    (path, rank 0's checkpoint, the loader state merged over its ranks)."""
-    if resume != "auto":
+def load_resume(resume: str, ckpt_dir: str) -> tuple[str, dict, dict | None] | None:
+    """--resume PATH, 'auto' (the newest complete step in `ckpt_dir`) or 'if-any' (the same,
+    None where there is none), as (path, rank 0's checkpoint, the loader state merged over its
+    ranks). Without --resume (`resume` empty): None, refused where `ckpt_dir` holds checkpoints."""
+    if not resume:
+        newest = newest_committed(ckpt_dir)
+        if newest is not None:
+            raise UserError(f"--ckpt-dir {ckpt_dir} already holds checkpoints (the newest is {newest}): pass "
+                            f"--resume auto to continue that run (or --resume {RESUME_IF_ANY}, which starts "
+                            f"fresh where there is none), or another --ckpt-dir for a new run")
+        return None
+    if resume not in ("auto", RESUME_IF_ANY):
         return (resume, *load_checkpoint(resume))
     found = newest_checkpoint(ckpt_dir, load_checkpoint)
     if found is None:
-        raise UserError(f"--resume auto: no complete checkpoint in {ckpt_dir!r}")
+        if resume == RESUME_IF_ANY:
+            return None
+        raise UserError(f"--resume auto: no complete checkpoint in {ckpt_dir!r} (--resume {RESUME_IF_ANY} "
+                        f"starts fresh there)")
     path, (ckpt, loader_state) = found
     return path, ckpt, loader_state
+
+
+def resume_point(resume: str, ckpt_dir: str, rank: int, world_size: int) -> tuple[str | None, dict | None, dict | None]:
+    """`load_resume` as rank 0 decides it, on every rank: (path, checkpoint, merged loader state),
+    or Nones for a fresh start. One rank decides, so all of them start from the same step
+    even while files come and go; a rank that cannot read the chosen checkpoint (a --ckpt-dir
+    that is not shared) ends every rank with its line."""
+    chosen, decided = None, None
+    if rank == 0:
+        try:
+            chosen = load_resume(resume, ckpt_dir)
+            decided = chosen[0] if chosen else None
+        except UserError as e:  # or its StorageFault: every rank raises the same kind
+            decided = e
+    decided = broadcast_from_main(decided, world_size)
+    if isinstance(decided, UserError):
+        raise decided
+    fault = None
+    if decided is not None and rank != 0:
+        try:
+            chosen = (decided, *load_checkpoint(decided))
+        except UserError as e:
+            fault = f"rank {rank}: {e}"
+    fault = first_fault(fault, world_size)
+    if fault:
+        raise UserError(fault)
+    return chosen if chosen else (None, None, None)
+
+
+def newest_committed(ckpt_dir: str) -> str | None:
+    """The newest step in `ckpt_dir` whose rank-0 file is there (committed), by name; None if none."""
+    try:
+        names = sorted(n for n in os.listdir(ckpt_dir) if CKPT_NAME.match(n))
+    except OSError:
+        return None
+    return os.path.join(ckpt_dir, names[-1]) if names else None
+
+
+def remove_uncommitted(ckpt_dir: str) -> list[str]:
+    """Rank 0, holding the lock, before anything is written: remove what an attempt that died
+    left of steps it never committed (temp files, loader-state files with no rank-0 file), so
+    nothing torn stays beside the checkpoints. Returns the names removed."""
+    try:
+        names = os.listdir(ckpt_dir)
+    except OSError:
+        return []
+    committed = {m.group(1) for m in map(CKPT_NAME.match, names) if m}
+    removed = []
+    for name in sorted(names):
+        loose = LOADER_FILE.match(name)
+        if ".pt.tmp" in name or (loose and loose.group(1) not in committed):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(ckpt_dir, name))
+                removed.append(name)
+    return removed
 
 
 def run_config(args, num_splits: int, global_batch: int, data: str) -> dict:
@@ -305,7 +373,7 @@ def check_resume_config(saved: dict, current: dict, path: str) -> None:
 def checkpoint_dir_lock(ckpt_dir: str, force_unlock: bool, rank: int, world_size: int):
     """Rank 0 holds --ckpt-dir's lock for the run, for all its ranks; a refusal reaches every
     rank, so none waits on a peer that is leaving."""
-    lock = CheckpointDirLock(ckpt_dir, force_unlock) if rank == 0 else None
+    lock = CheckpointDirLock(ckpt_dir, force_unlock, elastic_attempt()) if rank == 0 else None
     refused = None
     if lock is not None:
         try:

@@ -5,7 +5,9 @@ each other's, so rank 0 takes `<ckpt-dir>/train.lock` before writing anything an
 the other ranks of its run rely on it. The file names its holder (host, boot id,
 pid, the kernel's start time of that pid) so a lock left by a crashed run on this
 host is recognised as stale and taken over, while a lock held from another host,
-whose processes cannot be checked from here, needs --force-unlock.
+whose processes cannot be checked from here, needs --force-unlock, unless it is an
+earlier worker group of the same torchrun run: torchrun's agents stop a group on every
+node before they form the next, so that holder is gone, on whatever host it ran.
 """
 
 from __future__ import annotations
@@ -93,9 +95,11 @@ class CheckpointDirLock:
 
     FILE = "train.lock"
 
-    def __init__(self, ckpt_dir: str, force_unlock: bool = False):
+    def __init__(self, ckpt_dir: str, force_unlock: bool = False, attempt=None):
+        """`attempt`: this process's torchrun attempt (distributed.elastic_attempt), or None."""
         self.ckpt_dir = ckpt_dir
         self.force_unlock = force_unlock
+        self.attempt = attempt
         self.path = os.path.join(ckpt_dir, self.FILE)
         self.warning: str | None = None  # set by acquire (for the context-manager use)
         self._content: bytes | None = None  # what we wrote: release removes only that
@@ -177,6 +181,12 @@ class CheckpointDirLock:
                                 f"as a lock; if no run uses this directory, delete it or pass --force-unlock")
             return f"warning: --force-unlock: replacing the unreadable lock file {self.path}"
         in_use = f"--ckpt-dir {self.ckpt_dir} is in use by {_describe(holder)}, lock {self.path}"
+        earlier_group = me["run_id"] is not None and holder.get("run_id") == me["run_id"]
+        if earlier_group and holder["host"] != me["host"]:
+            return (f"warning: taking over the lock {self.path} of {_describe(holder)}, a worker group of "
+                    f"this torchrun run (run id {me['run_id']}, attempt {holder.get('restart_count')} on its "
+                    f"node) that torchrun's agents stopped before forming this one (attempt "
+                    f"{me['restart_count']} here)")
         if holder["host"] == me["host"]:
             boots = (holder.get("boot_id"), me["boot_id"])
             rebooted = None not in boots and boots[0] != boots[1]
@@ -186,6 +196,8 @@ class CheckpointDirLock:
                                     f"(--force-unlock only clears a lock left on another host)")
                 raise UserError(f"{in_use}; wait for that run to finish or use another --ckpt-dir")
             why = "the host has rebooted since" if rebooted else "which no longer runs"
+            if earlier_group:
+                why += f" (an earlier worker group of this torchrun run, attempt {holder.get('restart_count')})"
             return f"warning: taking over the stale lock {self.path} of {_describe(holder)}, {why}"
         if not self.force_unlock:
             raise UserError(f"{in_use}; wait for that run to finish, use another --ckpt-dir, "
@@ -193,13 +205,14 @@ class CheckpointDirLock:
         return (f"warning: --force-unlock: taking over the lock {self.path} of {_describe(holder)}; "
                 f"if that run still writes there, the two runs will overwrite each other's checkpoints")
 
-    @staticmethod
-    def _identity() -> dict:
+    def _identity(self) -> dict:
         pid = os.getpid()
         stat = _proc_stat(pid)
         starttime = stat[1] if stat else None
         return {"host": socket.gethostname(), "boot_id": _boot_id(), "pid": pid, "starttime": starttime,
-                "started": _started_utc(starttime), "argv": sys.argv}
+                "started": _started_utc(starttime), "argv": sys.argv,
+                "run_id": self.attempt.run_id if self.attempt else None,
+                "restart_count": self.attempt.restart_count if self.attempt else None}
 
     @staticmethod
     def _parse(content: bytes) -> dict | None:

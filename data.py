@@ -247,6 +247,19 @@ class EpochPlan:
     train_rows: int
     blocks_per_epoch: int | str | None  # packed only: int, or "auto"
     micro_steps_per_epoch: int
+    ends_on_step: bool = False  # --global-batch-size: cut to whole optimizer steps (train_batches)
+
+
+def whole_steps(cycles: int, args, num_splits: int, holds: str) -> int:
+    """--global-batch-size: the loader cycles (a sample of every split each) of an epoch, cut
+    to whole optimizer steps. A step then never spans two epochs, and its samples are the
+    same on every world size: micro-batches of --batch-size x ranks samples would otherwise
+    end each epoch in a partial one whose size depends on the world size."""
+    per_step = args.global_batch_size // num_splits
+    if cycles < per_step:
+        raise UserError(f"an epoch holds {holds}, less than one optimizer step of --global-batch-size "
+                        f"{args.global_batch_size}: lower --global-batch-size or add data")
+    return cycles - cycles % per_step
 
 
 def plan_epoch(args, table, num_splits: int, global_batch: int) -> EpochPlan:
@@ -264,9 +277,13 @@ def plan_epoch(args, table, num_splits: int, global_batch: int) -> EpochPlan:
     cycles_per_batch = global_batch // num_splits
     if not args.pack:
         cycles = train_rows // num_splits
-        return EpochPlan(train_rows, None, -(-cycles // cycles_per_batch))
+        if args.global_batch_size:
+            cycles = whole_steps(cycles, args, num_splits, f"{train_rows:,} training rows")
+        return EpochPlan(train_rows, None, -(-cycles // cycles_per_batch), ends_on_step=bool(args.global_batch_size))
     exact = total_tokens // args.seq_len
     exact -= exact % num_splits
+    if args.global_batch_size and exact:
+        exact = whole_steps(exact // num_splits, args, num_splits, f"{exact:,} blocks of {args.seq_len}") * num_splits
     if args.blocks_per_epoch == "auto":
         blocks_per_epoch = "auto"
     elif args.blocks_per_epoch:
@@ -276,6 +293,9 @@ def plan_epoch(args, table, num_splits: int, global_batch: int) -> EpochPlan:
             raise UserError(f"--blocks-per-epoch must be an integer or 'auto' (got {args.blocks_per_epoch!r})") from None
         if blocks_per_epoch <= 0 or blocks_per_epoch % num_splits:
             raise UserError(f"--blocks-per-epoch ({blocks_per_epoch}) must be a positive multiple of num_splits ({num_splits})")
+        if args.global_batch_size and blocks_per_epoch % args.global_batch_size:
+            raise UserError(f"--blocks-per-epoch ({blocks_per_epoch}) must be a multiple of --global-batch-size "
+                            f"({args.global_batch_size}): an epoch ends on a whole optimizer step")
     else:  # exact budget from the materialized token counts
         blocks_per_epoch = exact
     if blocks_per_epoch == 0:
@@ -284,7 +304,8 @@ def plan_epoch(args, table, num_splits: int, global_batch: int) -> EpochPlan:
             f"{args.seq_len}-token block per split ({num_splits} splits); lower --num-splits or --seq-len"
         )
     sized = exact if blocks_per_epoch == "auto" else blocks_per_epoch
-    return EpochPlan(train_rows, blocks_per_epoch, -(-(sized // num_splits) // cycles_per_batch))
+    return EpochPlan(train_rows, blocks_per_epoch, -(-(sized // num_splits) // cycles_per_batch),
+                     ends_on_step=bool(args.global_batch_size) and blocks_per_epoch != "auto")
 
 
 def why_no_training_rows(table, min_score: float) -> str:
@@ -361,7 +382,10 @@ def open_training_data(args, tok, rank: int, world_size: int, device, num_splits
         where = f"blocks table at {args.blocks_path!r}"
         open_table = lambda: blocks_loaders.open_lance_blocks(args.blocks_path)[0]  # noqa: E731
         cycles = num_blocks // num_splits
-        plan = EpochPlan(num_blocks, None, -(-cycles // (global_batch // num_splits)))
+        if args.global_batch_size:
+            cycles = whole_steps(cycles, args, num_splits, f"{num_blocks:,} blocks")
+        plan = EpochPlan(num_blocks, None, -(-cycles // (global_batch // num_splits)),
+                         ends_on_step=bool(args.global_batch_size))
         transform = functools.partial(blocks_loaders.blocks_to_samples, seq_len=args.seq_len)
 
         def source(table) -> TrainingData:
@@ -464,9 +488,10 @@ def check_validation_data(args, data, world_size: int) -> None:
 
 
 def train_batches(args, data: TrainingData, rank, world_size, device, num_splits, start_epoch,
-                  loader_state):
+                  loader_state, start_micro: int = 0):
     """Micro-batches across epochs as (epoch, LoaderPosition or None, batch); resumes
-    mid-epoch from loader_state.
+    mid-epoch from loader_state, `start_micro` micro-batches into `start_epoch`. An epoch
+    planned to end on a whole optimizer step (`EpochPlan.ends_on_step`) ends there.
 
     Once an epoch's loader has asked for all of its rows (lancedb's `unscanned_rows` is 0:
     what is left is already read ahead), the next epoch's loader is started on a thread of
@@ -488,8 +513,10 @@ def train_batches(args, data: TrainingData, rank, world_size, device, num_splits
                 current = EpochBatches(args, source, epoch, device, num_splits // world_size, loader_state)
             loader_state = None
             following = epoch + 1 < args.epochs and data.at(epoch + 1).baseline is None
+            left = max(source.plan.micro_steps_per_epoch - (start_micro if epoch == start_epoch else 0), 0) \
+                if source.plan.ends_on_step else None
             with current:
-                for position, batch in current:
+                for position, batch in itertools.islice(current, left):
                     if following and upcoming is None and current.requested_all():
                         upcoming = ahead.submit(EpochBatches.started, args, data.at(epoch + 1), epoch + 1,
                                                 device, num_splits // world_size)

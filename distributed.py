@@ -12,6 +12,7 @@ import os
 import socket
 import time
 import uuid
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -102,6 +103,24 @@ def connect_store(host: str, port: int, nonce: str) -> dist.Store | None:
         return store if store.check(["nonce"]) and store.get("nonce").decode() == nonce else None
     except (RuntimeError, dist.DistError):  # not a TCPStore, or gone since
         return None
+
+
+@dataclass(frozen=True)
+class ElasticAttempt:
+    """Which attempt of a torchrun run this process belongs to (TORCHELASTIC_*). The restart
+    count is each node's agent's own: a node that joins later starts at 0."""
+
+    run_id: str
+    restart_count: int
+    max_restarts: int
+
+
+def elastic_attempt() -> ElasticAttempt | None:
+    """This process's torchrun attempt; None outside torchrun's agent."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    return ElasticAttempt(os.environ["TORCHELASTIC_RUN_ID"], int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+                          int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)))
 
 
 def barrier(world_size: int) -> None:

@@ -3,11 +3,12 @@ draws them) and the --tensorboard event files. Rank 0 writes both, the same reco
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
 
-from common import UserError, out_of_space
+from common import UserError, atomic_replace, out_of_space
 
 # The scalars of each record kind that become TensorBoard curves, and their tags. A value
 # that is None (MFU with no known peak, memory off CUDA, an empty validation split) is left out.
@@ -30,6 +31,27 @@ def append_record(file, record: dict) -> None:
     except OSError:
         os.ftruncate(file.fileno(), end)
         raise
+
+
+def drop_records_after(directory: str, step: int) -> None:
+    """Every rank{R}.jsonl of a --trace-samples directory, cut to the records of steps up to
+    `step`, the step a run starts from (0 on a fresh start: none). Later records are of an
+    attempt that died after its last checkpoint; their steps are trained again, so the trace
+    says what the weights trained on. A line a kill cut short goes too. Raises OSError."""
+    for name in sorted(os.listdir(directory)):
+        if not (name.startswith("rank") and name.endswith(".jsonl")):
+            continue
+        path = os.path.join(directory, name)
+        with open(path, "rb") as f:
+            lines = f.read().split(b"\n")
+        kept = [line + b"\n" for line in lines[:-1] if json.loads(line).get("step", 0) <= step]
+        if len(kept) != len(lines) - 1 or lines[-1]:
+            atomic_replace(path, functools.partial(write_lines, lines=kept))
+
+
+def write_lines(path: str, lines: list[bytes]) -> None:
+    with open(path, "wb") as f:
+        f.writelines(lines)
 
 
 def record_fault(flag: str, path: str, error: OSError) -> str:

@@ -12,6 +12,10 @@ torchrun --nproc-per-node 8 train.py --model small --tokenizer hf:gpt2 \\
     --num-splits 128 --io-queue-depth 1 --transform-parallelism 2 --num-workers 2
 
 torchrun --nproc-per-node 4 train.py ... --batch-size 64 --resume auto   # any world size dividing num_splits
+
+torchrun --nnodes 1:2 --nproc-per-node 8 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+    --rdzv-id run42 train.py ... --global-batch-size 512 --batch-size 16 --num-splits 128 \\
+    --resume if-any    # fault-tolerant: one command line for every attempt, on 1 or 2 nodes
 """
 
 # Reading order: the flags, one micro-step (`batch_loss`), then `train`: resume, data
@@ -46,8 +50,9 @@ from data import (DEFAULT_LOADER_BUFFER_MB, TrainingData, WaitClock, check_valid
                   data_filter, format_loader_stats, loader_free_batches, loader_stats, make_dataset,
                   open_training_data, prefetched, random_batches, read_ahead_line, slowest_share, stop_loaders,
                   train_batches)
-from distributed import first_fault, print0, replica_digests, setup_distributed
-from metrics import MetricsLog, RunRecords, TensorBoardLog, append_record, record_fault, summary_writer_class
+from distributed import elastic_attempt, first_fault, print0, replica_digests, setup_distributed
+from metrics import (MetricsLog, RunRecords, TensorBoardLog, append_record, drop_records_after, record_fault,
+                     summary_writer_class)
 from model import MODEL_SIZES, make_model
 
 # Dense bf16 tensor-core peak per device, the dtype training runs in on CUDA. Datasheets
@@ -100,6 +105,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_observability_flags(p.add_argument_group("observability"))
     args = p.parse_args(argv)
     args.num_workers_note = resolve_num_workers(args)
+    if args.grad_accum is None and not args.global_batch_size:
+        args.grad_accum = 1  # with --global-batch-size, check_args derives it from the world size
     return args
 
 
@@ -178,7 +185,15 @@ def add_model_flags(g) -> None:
 def add_optimization_flags(g) -> None:
     g.add_argument("--batch-size", type=int, default=8,
                    help="docs (or packed blocks, with --pack) per rank per micro-step")
-    g.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
+    g.add_argument("--grad-accum", type=int, default=None,
+                   help="micro-steps per optimizer step (default 1); with --global-batch-size it is "
+                   "derived instead")
+    g.add_argument("--global-batch-size", type=int, default=0, metavar="N",
+                   help="samples (packed blocks with --pack) per optimizer step over all ranks, whatever "
+                   "the world size: --grad-accum is derived as N / (--batch-size x ranks), so a group "
+                   "torchrun restarts or re-forms on another number of ranks trains the same steps. "
+                   "Each epoch then ends on a whole step, and --num-splits defaults to --batch-size "
+                   "(README 'Fault-tolerant runs')")
     g.add_argument("--epochs", type=int, default=1, help="passes over the training split")
     g.add_argument("--steps", type=int, default=0, help="stop after N optimizer steps (0 = full epochs)")
     g.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (AdamW)")
@@ -190,7 +205,8 @@ def add_optimization_flags(g) -> None:
 
 def add_loader_flags(g) -> None:
     g.add_argument("--num-splits", type=int, default=0,
-                   help="elastic splits; 0 = one per global-batch slot")
+                   help="elastic splits; 0 = one per global-batch slot (with --global-batch-size: "
+                   "--batch-size)")
     g.add_argument("--shuffle-seed", type=int, default=42, help="seed of each epoch's split order")
     g.add_argument("--read-batch-size", type=int, default=64,
                    help="rows per take per split. The reference's 8 is too few to amortise a take's "
@@ -226,8 +242,11 @@ def add_checkpoint_flags(g) -> None:
     g.add_argument("--ckpt-every", type=int, default=100, help="checkpoint every N optimizer steps")
     g.add_argument("--keep-last", type=int, default=0,
                    help="after each checkpoint, delete all but the newest N complete ones (0 = keep all)")
-    g.add_argument("--resume", default="", metavar="PATH|auto",
-                   help="checkpoint path, or 'auto' for the newest complete one in --ckpt-dir")
+    g.add_argument("--resume", default="", metavar="PATH|auto|if-any",
+                   help="checkpoint path; 'auto' for the newest complete one in --ckpt-dir (refused where "
+                   "there is none); 'if-any' for the same, or a fresh start where there is none: one "
+                   "command line for the first start and every restart (torchrun --max-restarts, a "
+                   "requeued job). Without --resume, a --ckpt-dir that holds checkpoints is refused")
     g.add_argument("--force-unlock", action="store_true",
                    help="take over the --ckpt-dir lock of a run on another host that is gone "
                    "(a lock of a dead process on this host is taken over without it)")
@@ -281,8 +300,9 @@ def add_observability_flags(g) -> None:
 
 
 def check_args(args, world_size: int) -> int:
-    """Refuse impossible settings before anything is read or written; returns num_splits."""
-    for flag, value, low in (("--batch-size", args.batch_size, 1), ("--grad-accum", args.grad_accum, 1),
+    """Refuse impossible settings before anything is read or written; returns num_splits.
+    Sets --grad-accum where --global-batch-size derives it."""
+    for flag, value, low in (("--batch-size", args.batch_size, 1), ("--grad-accum", 1 if args.grad_accum is None else args.grad_accum, 1),
                              ("--seq-len", args.seq_len, 2), ("--epochs", args.epochs, 1),
                              ("--log-every", args.log_every, 1), ("--ckpt-every", args.ckpt_every, 1),
                              ("--read-batch-size", args.read_batch_size, 1),
@@ -297,9 +317,10 @@ def check_args(args, world_size: int) -> int:
                         ("--lr-total-steps", args.lr_total_steps), ("--keep-last", args.keep_last),
                         ("--transform-queue-depth", args.transform_queue_depth),
                         ("--loader-buffer-mb", args.loader_buffer_mb), ("--loader-free", args.loader_free),
-                        ("--random-ids", args.random_ids)):
+                        ("--random-ids", args.random_ids), ("--global-batch-size", args.global_batch_size)):
         if value < 0:
             raise UserError(f"{flag} must not be negative (got {value})")
+    args.grad_accum = derived_grad_accum(args, world_size)
     if args.loader_free and args.resume:
         raise UserError("--loader-free benchmarks the step on batches it keeps on the device and writes no "
                         "checkpoint: it cannot --resume")
@@ -330,9 +351,11 @@ def check_args(args, world_size: int) -> int:
     if args.tensorboard:
         summary_writer_class()  # the optional package imports, or the run is refused here
     global_batch = args.batch_size * world_size
-    num_splits = args.num_splits or global_batch
+    num_splits = args.num_splits or (args.batch_size if args.global_batch_size else global_batch)
     if num_splits % world_size:
-        raise UserError(f"num_splits ({num_splits}) must be divisible by the world size ({world_size})")
+        default = "" if args.num_splits or not args.global_batch_size else \
+            " (with --global-batch-size it defaults to --batch-size: pass --num-splits, a multiple of every world size the run may have)"
+        raise UserError(f"num_splits ({num_splits}) must be divisible by the world size ({world_size}){default}")
     baseline = args.blocks_mode in blocks_loaders.BASELINE_MODES  # plain DataLoader workers
     if not baseline and args.num_workers and num_splits % (world_size * args.num_workers):
         raise UserError(
@@ -346,6 +369,22 @@ def check_args(args, world_size: int) -> int:
             f"align with loader cycles."
         )
     return num_splits
+
+
+def derived_grad_accum(args, world_size: int) -> int:
+    """--grad-accum, or with --global-batch-size the micro-steps that make one optimizer step
+    of that many samples on this world size (refused where they cannot)."""
+    if not args.global_batch_size:
+        return args.grad_accum
+    if args.grad_accum is not None:
+        raise UserError("--global-batch-size derives --grad-accum from the world size: pass one of them")
+    micro = args.batch_size * world_size
+    if args.global_batch_size % micro:
+        raise UserError(f"--global-batch-size {args.global_batch_size} is not a multiple of --batch-size "
+                        f"{args.batch_size} x {world_size} rank(s) = {micro} samples per micro-step: pass a "
+                        f"--global-batch-size or --batch-size that makes it one on every world size the run "
+                        f"may have")
+    return args.global_batch_size // micro
 
 
 # ── One step ──────────────────────────────────────────────────────────────────
@@ -459,13 +498,24 @@ class SampleTrace:
 
     Each sample is named by the first 16 hex digits of BLAKE2b over its input_ids as
     little-endian int32, so traces from any topology can be compared from outside.
-    A write that fails leaves whole records and sets `fault`; the run then stops.
+    A write that fails leaves whole records and sets `fault`; the run then stops. A run
+    traces on from the step it starts at: records of later steps, which an attempt that died
+    after its last checkpoint left, are dropped first (metrics.drop_records_after).
     """
 
-    def __init__(self, directory: str, rank: int):
+    def __init__(self, directory: str, rank: int, world_size: int, start_step: int):
         self.path = os.path.join(directory, f"rank{rank}.jsonl")
+        fault = None
         try:
             os.makedirs(directory, exist_ok=True)
+            if rank == 0:
+                drop_records_after(directory, start_step)
+        except OSError as e:
+            fault = record_fault("--trace-samples", directory, e)
+        fault = first_fault(fault, world_size)  # every rank reopens only once rank 0 is done
+        try:
+            if fault:
+                raise StorageFault(fault)
             self.file = open(self.path, "ab", buffering=0)
         except OSError as e:
             raise StorageFault(record_fault("--trace-samples", self.path, e)) from None
@@ -546,8 +596,8 @@ def train_locked(args, rank: int, world_size: int, device: torch.device, num_spl
     """The run: resume, data, model, the loop, the last checkpoint and the final eval."""
     global_batch = args.batch_size * world_size
     tok = load_tokenizer(args.tokenizer)
-    path, ckpt, loader_state = checkpoint.load_resume(args.resume, args.ckpt_dir) if args.resume \
-        else (None, None, None)
+    path, ckpt, loader_state = (None, None, None) if args.loader_free else \
+        checkpoint.resume_point(args.resume, args.ckpt_dir, rank, world_size)
 
     data = open_training_data(args, tok, rank, world_size, device, num_splits, global_batch,
                               *((ckpt.get("data_version"), ckpt["epoch"]) if ckpt else ()))
@@ -563,6 +613,8 @@ def train_locked(args, rank: int, world_size: int, device: torch.device, num_spl
            f"global_batch={global_batch} num_splits={num_splits} compile={args.compile} "
            f"num_workers={args.num_workers}"
            + (f" ({args.num_workers_note})" if args.num_workers_note else "")
+           + (f" grad_accum={args.grad_accum} (--global-batch-size {args.global_batch_size} / {global_batch})"
+              if args.global_batch_size else "")
            + (" doc_mask=True" if args.doc_mask else "")
            + (f" blocks_mode={args.blocks_mode}" if args.blocks_mode != "off" else ""))
     opt = make_optimizer(model, args, device)
@@ -570,6 +622,8 @@ def train_locked(args, rank: int, world_size: int, device: torch.device, num_spl
                        nonfinite=torch.zeros((), dtype=torch.int64, device=device), last_saved=-1)
     if ckpt is not None:
         restore(model, opt, state, ckpt, path, args, tok, rank)
+    removed = checkpoint.remove_uncommitted(args.ckpt_dir) if rank == 0 and not args.loader_free else []
+    print0(start_line(args, path, state, removed))
     # `model` stays the plain module: checkpoints save its keys (no _orig_mod.), and the
     # checkpoint's probe and the evals run on it, since under --compile a no-grad or eval
     # call would compile the whole model once more. Only the training step runs `trainable`.
@@ -583,7 +637,7 @@ def train_locked(args, rank: int, world_size: int, device: torch.device, num_spl
     metrics = open_metrics(args, rank, world_size, model, resumed_step=state.opt_step, resumed=ckpt is not None)
     run = Run(args, rank, world_size, device, tok, data, config, num_splits, horizon, flops_per_token(model),
               peak, metrics)
-    trace = SampleTrace(args.trace_samples, rank) if args.trace_samples else None
+    trace = SampleTrace(args.trace_samples, rank, world_size, state.opt_step) if args.trace_samples else None
     try:
         stopped, last = train_loop(run, state, model, trainable, opt, loader_state, stop, trace)
         if last is not None and state.opt_step != state.last_saved and not args.loader_free:  # always resumable
@@ -626,7 +680,27 @@ def restore(model, opt, state: TrainState, ckpt: dict, path: str, args, tok, ran
     state.last_saved = state.opt_step
     if rank == 0:  # the count is global: rank 0 carries it
         state.tokens += ckpt.get("tokens_seen", 0)
-    print0(f"resumed from {path} (epoch {state.epoch}, opt step {state.opt_step})")
+
+
+def start_line(args, path: str | None, state: TrainState, removed: list[str]) -> str:
+    """What the run starts from: a fresh start or the checkpoint it resumed, torchrun's attempt
+    (the same command line starts every attempt), and what a dead attempt left that was removed."""
+    if path is not None:
+        line = f"resumed from {path} (epoch {state.epoch}, opt step {state.opt_step})"
+    elif args.loader_free:
+        line = "started fresh (--loader-free writes no checkpoint)"
+    else:
+        line = f"started fresh in {args.ckpt_dir}" + \
+            (f" (--resume {args.resume}: no checkpoint there)" if args.resume == checkpoint.RESUME_IF_ANY else "")
+    attempt = elastic_attempt()
+    if attempt is not None:
+        line += (f", torchrun attempt {attempt.restart_count} of run {attempt.run_id} "
+                 f"(--max-restarts {attempt.max_restarts})")
+    if removed:
+        steps = sorted({int(name[len("step_"):][:8]) for name in removed})
+        line += (f"; removed {len(removed)} file(s) of step(s) {', '.join(map(str, steps))}, which no "
+                 f"checkpoint committed")
+    return line
 
 
 def total_steps(args, data: TrainingData) -> int:
@@ -738,10 +812,17 @@ def batch_source(run: Run, state: TrainState, loader_state):
     if args.random_ids:
         return random_batches(args.loader_free, args.batch_size, args.seq_len, args.random_ids, run.device)
     items = train_batches(args, run.data, run.rank, run.world_size, run.device, run.num_splits,
-                          state.epoch, loader_state)
+                          state.epoch, loader_state, micro_steps_into_epoch(run, state))
     if args.loader_free:
         return loader_free_batches(items, args.loader_free, run.device, lambda ids: check_vocabulary(ids, run.tok))
     return prefetched(items, run.device)
+
+
+def micro_steps_into_epoch(run: Run, state: TrainState) -> int:
+    """The micro-batches of the resumed epoch trained before, on this world size, where epochs
+    end on whole optimizer steps (--global-batch-size): the steps since the epoch began."""
+    before = sum(run.data.at(epoch).plan.micro_steps_per_epoch for epoch in range(state.epoch))
+    return max(state.opt_step - before // run.args.grad_accum, 0) * run.args.grad_accum
 
 
 @dataclass(frozen=True)

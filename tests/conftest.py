@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -78,6 +79,7 @@ def frames_of_ours(stderr: str, root=REPO) -> list[str]:
 # The scripts that import torch: their start-up is most of a short run's time.
 WARM_SCRIPTS = {"train.py", "build_packed_datasets.py", "export_hf.py", "sample.py"}
 _warm = {}
+_warm_starting = threading.Lock()  # tests start runs from several threads (run_trains)
 
 
 def warm_python() -> list[str] | None:
@@ -86,6 +88,11 @@ def warm_python() -> list[str] | None:
     TESTS_COLD_START=1, which starts every run cold."""
     if os.environ.get("TESTS_COLD_START") == "1":
         return None
+    with _warm_starting:
+        return _warm_command()
+
+
+def _warm_command() -> list[str]:
     if "command" not in _warm:
         import atexit
         import tempfile
@@ -254,16 +261,17 @@ def state_equal(a, b):
 
 # ── Processes: train.py under torchrun, and killing whole process trees ──────────────
 
-def train_command(nproc, *args, cold=True):
+def train_command(nproc, *args, cold=True, torchrun=None):
     """`python train.py ...` for one rank, `python -m torch.distributed.run ... train.py ...` for
-    more; warm unless `cold` (see script_command): torchrun's agent then runs in the warm
-    interpreter, and starts each rank through it (`--no-python`)."""
+    more or where `torchrun` gives the agent's flags (default `--standalone`); warm unless `cold`
+    (see script_command): torchrun's agent then runs in the warm interpreter, and starts each
+    rank through it (`--no-python`)."""
     args = [str(a) for a in args]
-    if nproc == 1:
+    if nproc == 1 and torchrun is None:
         return script_command("train.py", *args, cold=cold)
     warm = None if cold else warm_python()
-    return [*(warm or [sys.executable]), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-            str(nproc), *(["--no-python", *warm] if warm else []), str(REPO / "train.py"), *args]
+    return [*(warm or [sys.executable]), "-m", "torch.distributed.run", *map(str, torchrun or ["--standalone"]),
+            "--nproc-per-node", str(nproc), *(["--no-python", *warm] if warm else []), str(REPO / "train.py"), *args]
 
 
 def _proc_stat(pid):
@@ -380,12 +388,14 @@ def sigint_at_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def start_train(nproc, *args, cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cold=True):
-    """Popen of train.py (torchrun for nproc > 1) in a session of its own; cold, for the tests
-    that signal it or walk its processes, unless `cold` is False."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(train_command(nproc, *args, cold=cold), cwd=cwd, env=env, stdout=stdout,
-                            stderr=stderr, text=True, start_new_session=True)
+def start_train(nproc, *args, cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cold=True, torchrun=None,
+                env=None):
+    """Popen of train.py (torchrun for nproc > 1, or with `torchrun`'s flags) in a session of its
+    own; cold, for the tests that signal it or walk its processes, unless `cold` is False.
+    `env`: variables added to ours."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.Popen(train_command(nproc, *args, cold=cold, torchrun=torchrun), cwd=cwd, env=env,
+                            stdout=stdout, stderr=stderr, text=True, start_new_session=True)
 
 
 def run_train(nproc, *args, cwd, timeout=300, cold=False):

@@ -11,6 +11,7 @@ import pytest
 from ckpt_lock import CheckpointDirLock, _boot_id, _proc_stat
 from common import UserError
 from conftest import REPO, wait_gone
+from distributed import ElasticAttempt
 
 HOST = socket.gethostname()
 
@@ -168,6 +169,47 @@ def test_another_host_needs_force_unlock(tmp_path):
     warning = CheckpointDirLock(str(tmp_path), force_unlock=True).acquire()
     assert warning.startswith(f"warning: --force-unlock: taking over the lock {tmp_path / 'train.lock'} "
                               "of pid 4242 on host node-7"), warning
+    assert_ours(tmp_path)
+
+
+# ── Across the attempts of one torchrun run (--max-restarts, --nnodes MIN:MAX) ──────────────
+
+RUN = ElasticAttempt(run_id="pretrain-42", restart_count=1, max_restarts=3)
+
+
+@pytest.mark.parametrize("holder_attempt", [0, 1, 2])  # a node that joined later counts from 0
+def test_an_earlier_worker_group_of_the_run_on_another_host_is_taken_over(tmp_path, holder_attempt):
+    write_lock(tmp_path, host="node-7", pid=4242, boot_id="x", run_id=RUN.run_id, restart_count=holder_attempt)
+    warning = CheckpointDirLock(str(tmp_path), attempt=RUN).acquire()
+    assert warning.startswith(f"warning: taking over the lock {tmp_path / 'train.lock'} of pid 4242 on host "
+                              f"node-7 (started 2020-01-02T03:04:05+00:00), a worker group of this torchrun run "
+                              f"(run id pretrain-42, attempt {holder_attempt} on its node)"), warning
+    assert_ours(tmp_path)
+    holder = json.loads((tmp_path / CheckpointDirLock.FILE).read_text())
+    assert (holder["run_id"], holder["restart_count"]) == ("pretrain-42", 1)
+
+
+@pytest.mark.parametrize("holder_run", ["pretrain-41", None])
+def test_another_run_on_another_host_still_needs_force_unlock(tmp_path, holder_run):
+    write_lock(tmp_path, host="node-7", pid=4242, boot_id="x", run_id=holder_run, restart_count=0)
+    refused(CheckpointDirLock(str(tmp_path), attempt=RUN), "in use by pid 4242 on host node-7",
+            "or pass --force-unlock if that run is gone")
+    assert "node-7" in (tmp_path / "train.lock").read_text()
+
+
+def test_a_live_holder_of_the_same_run_on_this_host_is_refused(tmp_path):
+    """torchrun's agent stops a group before it starts the next: a holder of the same run id
+    still running here is not an earlier group, and nothing may take its lock."""
+    write_lock(tmp_path, run_id=RUN.run_id, restart_count=0)  # names the live parent process
+    refused(CheckpointDirLock(str(tmp_path), attempt=RUN), f"in use by pid {os.getppid()} on host {HOST}")
+
+
+def test_a_dead_holder_of_the_same_run_on_this_host_is_named_as_an_earlier_group(tmp_path):
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    write_lock(tmp_path, pid=gone.pid, starttime=None, run_id=RUN.run_id, restart_count=0)
+    warning = CheckpointDirLock(str(tmp_path), attempt=RUN).acquire()
+    assert warning.endswith("which no longer runs (an earlier worker group of this torchrun run, attempt 0)"), warning
     assert_ours(tmp_path)
 
 
