@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from common import LEGACY_SCHEMA
-from conftest import read_trace, run_trains, state_equal
+from conftest import docs_table, read_trace, run_trains, state_equal
 
 pytestmark = pytest.mark.slow  # trains or ingests in processes of its own: `-m "not slow"` leaves it out
 
@@ -119,3 +119,42 @@ def test_resume_inside_a_later_epoch(db, tmp_path, path):
     a, b = (torch.load(ckpt(name, end), weights_only=True) for name in ("straight", "one"))
     for key in ("model", "optimizer", "dataset", "tokens_seen", "epoch"):
         assert state_equal(a[key], b[key]), key
+
+
+@pytest.mark.parametrize("path", ["row", "pack"])
+def test_a_global_batch_size_step_holds_the_same_samples_on_any_world_size_across_epochs(tmp_path, path):
+    """--global-batch-size 8 --batch-size 4 on 1 rank (2 micro-steps a step) and on 2 ranks (1
+    each): 28 documents make 7 loader cycles of 4 splits an epoch, so a
+    2-rank micro-step (2 cycles) would end each epoch in a partial one and the steps after
+    it would differ from 1 rank's. Epochs end on a whole step instead (3 of 2 cycles, the 7th
+    cycle left out), and every step holds the same samples on both. --grad-accum, which
+    keeps the reference's accumulation across epochs, shows the difference."""
+    rng = np.random.default_rng(5)
+    docs = [rng.integers(0, 256, 63).tolist() for _ in range(28)]  # with EOS one 64-token block each
+    db = docs_table(tmp_path / "db", docs)
+    common = ["--db", db, "--model", "tiny", "--seq-len", 64, "--epochs", 3, "--log-every", 100,
+              "--eval-batches", 1, "--warmup-steps", 2, "--num-splits", 4, "--batch-size", 4, "--lr-total-steps", 9,
+              *(["--pack"] if path == "pack" else [])]
+
+    def run(name, ranks, *extra):
+        return ranks, [*common, "--ckpt-dir", tmp_path / f"ck-{name}", "--trace-samples", tmp_path / f"trace-{name}",
+                       *map(str, extra)]
+
+    accum = [run("one-accum", 1, "--grad-accum", 2), run("two-accum", 2)] if path == "row" else []
+    outs = [ok(p) for p in run_trains([run("one", 1, "--global-batch-size", 8), run("two", 2, "--global-batch-size", 8),
+                                       *accum], cwd=tmp_path)]
+    one, two = by_step(tmp_path / "trace-one"), by_step(tmp_path / "trace-two")
+    epochs = 3
+    steps_per_epoch = len(one) // epochs
+    assert steps_per_epoch >= 2 and len(one) == epochs * steps_per_epoch
+    assert [one[s][0] for s in sorted(one)] == [(s - 1) // steps_per_epoch for s in sorted(one)]
+    assert one == two and all(sum(c.values()) == 8 for _, c in one.values())
+    assert f"final: opt_step={epochs * steps_per_epoch} " in outs[0] and "grad_accum=2 (--global-batch-size 8 / 4)" in outs[0]
+    assert "grad_accum=1 (--global-batch-size 8 / 8)" in outs[1]
+    if path == "pack":  # 28 blocks (7 cycles) pack from the table, 24 make whole steps
+        assert "blocks_per_epoch: 24" in outs[0] and steps_per_epoch == 3
+        return
+    # the reference's accumulation across epochs: the same first epoch, then other steps
+    one_accum, two_accum = by_step(tmp_path / "trace-one-accum"), by_step(tmp_path / "trace-two-accum")
+    assert {s: one_accum[s] for s in range(1, steps_per_epoch + 1)} == {s: one[s] for s in range(1, steps_per_epoch + 1)}
+    assert one_accum != two_accum
