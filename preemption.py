@@ -9,6 +9,10 @@ waiting in a collective for a peer that has gone to write its checkpoint.
 `exit_with_parent` asks the kernel for a SIGTERM when the process that launched this
 one dies (torchrun's agent, killed on its own by the OOM killer say), so ranks never
 outlive their launcher; their DataLoader workers follow them (torch's worker watchdog).
+Such a stop is voted as AGENT_LOST: every rank checkpoints the step and exits 1, so the
+agents that are left see a failed group and restart it without that node (torchrun
+--max-restarts, --nnodes MIN:MAX) from that checkpoint, rather than taking a group whose
+ranks all exited 0 for a finished run.
 
 `describe_comm_failure` names a collective that failed because a peer died or hung past
 the process group's timeout, for a one-line exit instead of a C++ backtrace.
@@ -27,6 +31,9 @@ import torch.distributed as dist
 
 DEFAULT_STOP_SIGNALS = "SIGTERM,SIGUSR1"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# What a rank wishes in the StopVote; the largest wish of any rank wins.
+STOP = 1  # a stop signal (or a record that could not be written): checkpoint and exit 0
+AGENT_LOST = 2  # this rank's torchrun agent died: checkpoint and exit 1, for the agents left to restart
 
 
 def parse_signals(spec: str) -> list[signal.Signals]:
@@ -46,15 +53,27 @@ def parse_signals(spec: str) -> list[signal.Signals]:
 
 
 class StopSignals:
-    """While entered, records the first stop signal; the training loop polls `requested`.
+    """While entered, records the first stop signal; the training loop polls `wish`.
 
-    A second Ctrl-C raises KeyboardInterrupt at once: the user means it.
+    A second Ctrl-C raises KeyboardInterrupt at once: the user means it. `agent`: the pid of
+    the torchrun agent this rank asked to die with (exit_with_parent); a signal that finds
+    it gone is that death.
     """
 
-    def __init__(self, signals: list[signal.Signals]):
+    def __init__(self, signals: list[signal.Signals], agent: int | None = None):
         self.requested: str | None = None
+        self.agent_lost = False  # see `wish`
+        self.agent = agent
         self.signals = [*signals, signal.SIGINT]
         self.previous: dict = {}
+
+    @property
+    def wish(self) -> int:
+        """This rank's StopVote wish: 0, STOP or AGENT_LOST. Asked after the step the signal
+        came in: the kernel signals a dying agent's children before the agent is gone."""
+        if self.requested and not self.agent_lost and self.agent is not None:
+            self.agent_lost = not is_running(self.agent) or os.getppid() != self.agent
+        return AGENT_LOST if self.agent_lost else STOP if self.requested else 0
 
     def __enter__(self) -> StopSignals:
         self.previous = {sig: signal.signal(sig, self._handle) for sig in self.signals}
@@ -73,13 +92,14 @@ class StopSignals:
 
 
 class StopVote:
-    """All ranks agree on the optimizer step at which to stop.
+    """All ranks agree on the optimizer step at which to stop, and why.
 
-    Each step every rank contributes its own wish to an all-reduce (MAX) that runs
-    in the background while the next step computes; the result is read one step
-    later, so the vote never stalls the device and a run stops at the end of the
+    Each step every rank contributes its own wish (0, STOP, AGENT_LOST) to an all-reduce
+    (MAX) that runs in the background while the next step computes; the result is read one
+    step later, so the vote never stalls the device and a run stops at the end of the
     step after the one a signal arrived in. Every rank reads the same result at the
-    same step, so all stop together even if only one got the signal.
+    same step, so all stop together even if only one got the signal; `reason` is then
+    the largest wish.
     """
 
     def __init__(self, world_size: int, device: torch.device):
@@ -89,15 +109,18 @@ class StopVote:
         self.result = torch.zeros(1, dtype=torch.int32, pin_memory=self.cuda)
         self.pending = None  # the reduction in flight
         self.copied = None  # on CUDA: an event after its result's copy to the host
+        self.reason = 0
 
-    def stop_now(self, wish: bool) -> bool:
+    def stop_now(self, wish: int) -> bool:
         if self.world_size == 1:
-            return wish
+            self.reason = wish
+            return bool(wish)
         if self.pending is not None:
             self.settle()
             if self.result.item():
+                self.reason = int(self.result.item())
                 return True
-        self.flag.fill_(int(wish))
+        self.flag.fill_(wish)
         self.pending = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, async_op=True)
         if self.cuda:  # queue the copy behind the reduction; the host waits for it next step only
             self.pending.wait()
@@ -119,22 +142,33 @@ class StopVote:
         self.pending = None
 
 
-def exit_with_parent() -> None:
-    """SIGTERM this process when its parent dies (Linux; a no-op elsewhere).
+def is_running(pid: int) -> bool:
+    """Whether `pid` is a process that still runs (not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def exit_with_parent() -> int | None:
+    """SIGTERM this process when its parent dies (Linux; a no-op elsewhere); returns the
+    parent's pid, or None where the kernel takes no such request.
 
     The kernel delivers it even while the process is blocked in native code; the
     handler then stops the run at the next step like any other stop signal.
     """
     if not sys.platform.startswith("linux"):
-        return
+        return None
     parent = os.getppid()
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     except (OSError, AttributeError):
-        return
+        return None
     if os.getppid() != parent:  # it died before the request was in place
         os.kill(os.getpid(), signal.SIGTERM)
+    return parent
 
 
 # What gloo and NCCL say when a peer is gone or a collective outlives the timeout.

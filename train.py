@@ -585,15 +585,16 @@ class TrainState:
 
 
 def train(args, rank: int, world_size: int, device: torch.device,
-          stop: preemption.StopSignals | None = None) -> None:
+          stop: preemption.StopSignals | None = None) -> int:
     num_splits = check_args(args, world_size)
     with checkpoint.checkpoint_dir_lock(args.ckpt_dir, args.force_unlock, rank, world_size):
-        train_locked(args, rank, world_size, device, num_splits, stop)
+        return train_locked(args, rank, world_size, device, num_splits, stop)
 
 
 def train_locked(args, rank: int, world_size: int, device: torch.device, num_splits: int,
-                 stop: preemption.StopSignals | None) -> None:
-    """The run: resume, data, model, the loop, the last checkpoint and the final eval."""
+                 stop: preemption.StopSignals | None) -> int:
+    """The run: resume, data, model, the loop, the last checkpoint and the final eval.
+    Returns the exit code of a run that ends without an error: 1 where a node's agent died."""
     global_batch = args.batch_size * world_size
     tok = load_tokenizer(args.tokenizer)
     path, ckpt, loader_state = (None, None, None) if args.loader_free else \
@@ -643,15 +644,21 @@ def train_locked(args, rank: int, world_size: int, device: torch.device, num_spl
         if last is not None and state.opt_step != state.last_saved and not args.loader_free:  # always resumable
             save(run, state, model, opt, *last)
         end_on_record_fault(run, state, trace)
+        saved = checkpoint.checkpoint_path(args.ckpt_dir, state.opt_step)
+        if stopped == preemption.AGENT_LOST:
+            print0(f"{run.tag}stopped at step {state.opt_step}: torchrun's agent on a node died, so that node "
+                   f"leaves the run; saved {saved}; the agents left start the run again from it without that "
+                   f"node (--max-restarts), or continue with --resume auto")
+            return 1
         if stopped:
             why = (stop and stop.requested) or "a stop signal on another rank"
-            print0(f"{run.tag}stopped by {why} at step {state.opt_step}: saved "
-                   f"{checkpoint.checkpoint_path(args.ckpt_dir, state.opt_step)}; continue with --resume auto")
-            return
+            print0(f"{run.tag}stopped by {why} at step {state.opt_step}: saved {saved}; continue with --resume auto")
+            return 0
         val = validate(run, state, model)
         seen = checked_tokens(state, world_size)
         end_on_record_fault(run, state)
         print0(f"{run.tag}final: opt_step={state.opt_step} tokens_seen={seen:,} val_loss={format_val(val, args)}")
+        return 0
     finally:  # rank 0's records: every one is flushed already; this ends the TensorBoard writer's thread
         if metrics:
             metrics.close()
@@ -749,16 +756,17 @@ def train_loop(run: Run, state: TrainState, model, trainable, opt, loader_state,
                stop: preemption.StopSignals | None, trace: SampleTrace | None) -> tuple[bool, tuple | None]:
     """Optimizer steps from the resumed one to --steps or the end of the last epoch.
 
-    Returns whether a stop signal (or a record write that failed) ended the loop, and the
-    last (epoch, dataset, batch) trained on, which the final checkpoint records (None when
-    nothing was trained).
+    Returns why the ranks' stop vote ended the loop (0: it did not; preemption.STOP: a stop
+    signal or a record write that failed; preemption.AGENT_LOST), and the last (epoch,
+    dataset, batch) trained on, which the final checkpoint records (None when nothing was
+    trained).
     """
     args, device, world_size = run.args, run.device, run.world_size
     clock = WaitClock()
     batches = clock.timed(batch_source(run, state, loader_state))
     interval = Interval(time.perf_counter(), state.opt_step, 0.0, 0.0)
     vote = preemption.StopVote(world_size, device)
-    stopped, last, micro = False, None, 0
+    last, micro = None, 0
     for epoch, ds, batch in batches:
         state.epoch, last = epoch, (epoch, ds, batch)
         if trace:
@@ -793,14 +801,14 @@ def train_loop(run: Run, state: TrainState, model, trainable, opt, loader_state,
             seconds = time.perf_counter() - started
             interval = interval.excluding(seconds)
             print0(f"  val loss @ step {state.opt_step}: {format_val(val, args)} ({seconds:.1f} s, not in tok/s)")
-        if vote.stop_now(stop is not None and stop.requested is not None or unwritten_records(run, trace) is not None):
-            stopped = True
+        if vote.stop_now(max(stop.wish if stop else 0,
+                             preemption.STOP if unwritten_records(run, trace) is not None else 0)):
             break
         if args.steps and state.opt_step >= args.steps:
             break
     batches.close()  # stops loader workers now, not at interpreter exit
     vote.settle()
-    return stopped, last
+    return vote.reason, last
 
 
 def batch_source(run: Run, state: TrainState, loader_state):
@@ -972,17 +980,16 @@ def main(argv=None) -> None:
     except ValueError as e:
         print(f"error: --stop-signals {args.stop_signals!r}: {e}", file=sys.stderr)
         sys.exit(2)
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: never outlive its agent
-        preemption.exit_with_parent()
-    with preemption.StopSignals(signals) as stop:
+    agent = preemption.exit_with_parent() if "TORCHELASTIC_RUN_ID" in os.environ else None  # never outlive it
+    with preemption.StopSignals(signals, agent) as stop:
         code = run(args, stop)
     leave(code, skip_finalizers=finalizers_may_hang(args, code))
 
 
 def run(args, stop: preemption.StopSignals) -> int:
     """Train on this rank; returns the exit code, each way a run can end told in one line:
-    0 done or stopped by a signal (checkpointed), 1 a peer lost, 2 a user error, 3 a storage
-    fault (common.StorageFault), 130 a second Ctrl-C."""
+    0 done or stopped by a signal (checkpointed), 1 a peer lost (or a node's torchrun agent,
+    checkpointed), 2 a user error, 3 a storage fault (common.StorageFault), 130 a second Ctrl-C."""
     rank, world_size, device = setup_distributed(args.dist_timeout)
     torch.set_float32_matmul_precision("high")
     if args.deterministic:
@@ -990,7 +997,7 @@ def run(args, stop: preemption.StopSignals) -> int:
     code = 0
     try:
         storage.configure(args.storage_option)
-        train(args, rank, world_size, device, stop)
+        code = train(args, rank, world_size, device, stop)
     except UserError as e:  # a StorageFault too: exit 3
         print(f"error: {e}", file=sys.stderr)
         code = e.exit_code
