@@ -114,6 +114,9 @@ class ElasticAttempt:
     restart_count: int
     max_restarts: int
 
+    def __str__(self) -> str:
+        return f"torchrun attempt {self.restart_count} of run {self.run_id} (--max-restarts {self.max_restarts})"
+
 
 def elastic_attempt() -> ElasticAttempt | None:
     """This process's torchrun attempt; None outside torchrun's agent."""

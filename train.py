@@ -701,8 +701,7 @@ def start_line(args, path: str | None, state: TrainState, removed: list[str]) ->
             (f" (--resume {args.resume}: no checkpoint there)" if args.resume == checkpoint.RESUME_IF_ANY else "")
     attempt = elastic_attempt()
     if attempt is not None:
-        line += (f", torchrun attempt {attempt.restart_count} of run {attempt.run_id} "
-                 f"(--max-restarts {attempt.max_restarts})")
+        line += f", {attempt}"
     if removed:
         steps = sorted({int(name[len("step_"):][:8]) for name in removed})
         line += (f"; removed {len(removed)} file(s) of step(s) {', '.join(map(str, steps))}, which no "
@@ -999,7 +998,7 @@ def run(args, stop: preemption.StopSignals) -> int:
         storage.configure(args.storage_option)
         code = train(args, rank, world_size, device, stop)
     except UserError as e:  # a StorageFault too: exit 3
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e}{retry_note(e.exit_code)}", file=sys.stderr)
         code = e.exit_code
     except KeyboardInterrupt:
         print("interrupted by a second Ctrl-C: the step in progress is not checkpointed; the newest "
@@ -1018,6 +1017,15 @@ def run(args, stop: preemption.StopSignals) -> int:
     if world_size > 1 and code == 0:
         dist.destroy_process_group()
     return code
+
+
+def retry_note(code: int) -> str:
+    """torchrun's agent retries a user error as it would a crash, up to --max-restarts: each
+    attempt's line then says which it is, so the same line again reads as the same mistake."""
+    attempt = elastic_attempt()
+    if code != 2 or attempt is None or attempt.max_restarts == 0:
+        return ""
+    return f" [{attempt}: the agent retries a user error too, until --max-restarts is spent]"
 
 
 def use_deterministic_algorithms() -> None:

@@ -11,7 +11,8 @@ attempt (`--resume if-any --global-batch-size`):
   two-rank run's samples at every step and its weights within WEIGHTS_RTOL of that run's;
 - a node that joins a group running alone: the agents re-form it at world size 2 after its rank
   checkpointed the step it was at (SIGTERM from its agent), and no step is lost;
-- another run on the same --ckpt-dir while the first is alive is refused in one line.
+- another run on the same --ckpt-dir while the first is alive is refused in one line;
+- a user error, which the agent retries like a crash, names each attempt on its line.
 
 Nothing is left behind: no process, no lock, no temp or loose loader file.
 """
@@ -330,3 +331,20 @@ def test_a_node_that_joins_reforms_the_group_at_the_larger_world_size_with_the_s
     gap = distance(final_weights(run["ck"]), final_weights(runs["root"] / "ck-straight"))
     assert gap < WEIGHTS_RTOL, gap
     assert_left_nothing(run)
+
+
+def test_a_user_error_is_retried_by_the_agent_and_each_attempt_says_which_it_is(demo_db, tmp_path):
+    """torchrun retries exit 2 like a crash: every attempt fails alike within seconds, and
+    its line names the attempt, so the repeats read as one mistake, not as new ones."""
+    missing = tmp_path / "nowhere" / "step_00000005.pt"
+    proc = start_train(1, "--db", demo_db, "--model", "tiny", "--resume", missing, cwd=tmp_path, cold=False,
+                       torchrun=["--standalone", "--max-restarts", 1])
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT)
+    finally:
+        kill_tree(proc.pid)
+    assert proc.returncode != 0, out + err
+    lines = [re.sub(r" of run \S+ ", " of run ID ", line) for line in err.splitlines() if line.startswith("error: ")]
+    assert lines == [f"error: checkpoint '{missing}' does not exist [torchrun attempt {n} of run ID "
+                     f"(--max-restarts 1): the agent retries a user error too, until --max-restarts is spent]"
+                     for n in (0, 1)], err
