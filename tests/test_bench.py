@@ -128,3 +128,22 @@ def test_ingest_measures_every_worker_count_the_ceiling_and_appends(tmp_path):
     assert points[2]["main_process"]["wait_s"] >= 0 and points[1]["main_process"] is None
     assert [a["table_rows"] for a in data["appends"]] == [points[1]["docs"], 5000]
     assert all(a["summary"].startswith("wrote 100 docs") for a in data["appends"])
+
+
+def test_fault_tolerance_quick_times_every_part_of_a_node_loss(tmp_path):
+    """bench/fault_tolerance.py --quick: one node of two killed after its first checkpoint; the
+    survivor's recovery in parts that add up, resumed at that checkpoint, its memory sampled."""
+    out = tmp_path / "ft.json"
+    work = tmp_path / "tmp"  # the temp dirs of the bench (and torch's): cold, so that TMPDIR is read afresh
+    work.mkdir()
+    proc = run_script("bench/fault_tolerance.py", "--quick", "--out", out, cwd=tmp_path, timeout=300,
+                      env={"TMPDIR": str(work)}, cold=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    [result] = data["results"]
+    assert (result["rows"], result["settings"]) == (20000, "fast") and len(result["runs"]) == 1
+    [loss] = result["runs"]
+    parts = [loss[k] for k in ("detection_s", "rerendezvous_s", "resume_s", "first_step_s")]
+    assert all(p > 0 for p in parts) and math.isclose(sum(parts), loss["total_s"], rel_tol=1e-6), loss
+    assert loss["resumed_step"] == loss["checkpoint_at_loss"] >= 5 and loss["survivor_peak_rss_mib"] > 100, loss
+    assert not list(work.glob("ft-bench-*")) and "wrote " in proc.stdout  # its tables and nodes' files removed
