@@ -52,6 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ArgumentParser, UserError, synthetic_corpus  # noqa: E402
 from loader_memory import int_list, kill_tree, process_tree, tree_memory  # noqa: E402
 from loaders import machine_info, write_json  # noqa: E402
+from preemption import is_running  # noqa: E402
 
 DEFAULT_OUT = os.path.join(REPO, "bench", "results", "fault_tolerance.json")
 SETTINGS = {
@@ -95,14 +96,6 @@ def rank_of(agent: int) -> int | None:
         except OSError:
             continue
     return None
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def traced_step(trace_dir: str, step: int, samples: int) -> bool:
@@ -172,7 +165,7 @@ def one_loss(db: str, conf: str, pack: bool) -> dict:
         steps = sorted(int(n[5:13]) for n in os.listdir(ck) if re.match(r"^step_\d{8}\.pt$", n))
         killed = time.monotonic()
         kill_tree(nodes["b"].pid)
-        detected = wait_until("exit of the survivor's rank", lambda: not alive(survivor), all_logs)
+        detected = wait_until("exit of the survivor's rank", lambda: not is_running(survivor), all_logs)
         reformed = wait_until("new rank", lambda: rank_of(nodes["a"].pid) not in (None, survivor), all_logs)
         resumed = wait_until("resume", lambda: RESUMED.search(text()) is not None, all_logs)
         step = int(RESUMED.search(text())[1])
