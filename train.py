@@ -13,9 +13,11 @@ torchrun --nproc-per-node 8 train.py --model small --tokenizer hf:gpt2 \\
 
 torchrun --nproc-per-node 4 train.py ... --batch-size 64 --resume auto   # any world size dividing num_splits
 
-torchrun --nnodes 1:2 --nproc-per-node 8 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
-    --rdzv-id run42 train.py ... --global-batch-size 512 --batch-size 16 --num-splits 128 \\
-    --resume if-any    # fault-tolerant: one command line for every attempt, on 1 or 2 nodes
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1:2 --nproc-per-node 8 --max-restarts 3 \\
+    --rdzv-backend c10d --rdzv-endpoint HOST:29500 --rdzv-id run42 \\
+    --rdzv-conf keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=5 \\
+    train.py ... --global-batch-size 512 --batch-size 16 --num-splits 128 \\
+    --resume if-any    # fault-tolerant: one command line for every attempt, on 1 or 2 nodes (README)
 """
 
 # Reading order: the flags, one micro-step (`batch_loss`), then `train`: resume, data
