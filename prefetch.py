@@ -87,9 +87,9 @@ class Prefetcher:
 
     def _produce(self) -> None:
         pin = self._device.type == "cuda"
-        if pin:
-            torch.cuda.set_device(self._device)
-        try:
+        try:  # set_device too: whatever fails here must reach the consumer, which waits on the queue
+            if pin:
+                torch.cuda.set_device(self._device)
             for epoch, position, batch in self._items:
                 if pin:
                     batch = {key: value.pin_memory() for key, value in batch.items()}

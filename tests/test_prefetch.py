@@ -8,6 +8,7 @@ Sample order and resume across topologies are held by test_elastic.py and
 test_resume_epochs.py, which now run through the prefetch thread too.
 """
 
+import inspect
 import itertools
 import threading
 import time
@@ -101,6 +102,22 @@ def test_an_error_reaches_the_training_thread_after_the_batches_before_it():
         next(prefetcher)
     with pytest.raises(StopIteration):
         next(prefetcher)
+
+
+def test_a_device_the_thread_cannot_select_reaches_the_training_thread_as_an_error():
+    """The producer's first act, `torch.cuda.set_device`, failing (a device that is not there:
+    no GPU here, or one past the last) raises on the training thread instead of leaving it
+    waiting on the queue for ever; the source is closed."""
+    source = (item for item in [(0, None, {"input_ids": torch.zeros(1)})])
+    prefetcher = Prefetcher(source, torch.device("cuda", torch.cuda.device_count()))
+    got = []
+    consumer = threading.Thread(target=lambda: got.append(pytest.raises(Exception, next, prefetcher)), daemon=True)
+    consumer.start()
+    consumer.join(timeout=30)
+    assert not consumer.is_alive(), "the training thread waits for a batch that never comes"
+    prefetcher._thread.join(timeout=5)
+    assert got and not prefetcher._thread.is_alive()
+    assert inspect.getgeneratorstate(source) == inspect.GEN_CLOSED
 
 
 def test_close_stops_the_thread_and_closes_its_source_mid_stream():
