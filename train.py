@@ -1008,7 +1008,8 @@ def run(args, stop: preemption.StopSignals) -> int:
         code = 130
     except Exception as e:
         why = preemption.describe_comm_failure(e) if world_size > 1 else None
-        if why is None:
+        if why is None:  # a bug or a CUDA OOM: its traceback, but no loader thread or worker into teardown
+            stop_loaders()
             raise
         print(f"error: rank {rank} lost contact with the other ranks ({why}): one died, or hung for "
               f"more than --dist-timeout {args.dist_timeout} s; the newest complete checkpoint is "
