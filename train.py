@@ -979,7 +979,7 @@ def main(argv=None) -> None:
     try:
         signals = preemption.parse_signals(args.stop_signals)
     except ValueError as e:
-        print(f"error: --stop-signals {args.stop_signals!r}: {e}", file=sys.stderr)
+        tell(f"error: --stop-signals {args.stop_signals!r}: {e}")
         sys.exit(2)
     agent = preemption.exit_with_parent() if "TORCHELASTIC_RUN_ID" in os.environ else None  # never outlive it
     with preemption.StopSignals(signals, agent) as stop:
@@ -1000,26 +1000,33 @@ def run(args, stop: preemption.StopSignals) -> int:
         storage.configure(args.storage_option)
         code = train(args, rank, world_size, device, stop)
     except UserError as e:  # a StorageFault too: exit 3
-        print(f"error: {e}{retry_note(e.exit_code)}", file=sys.stderr)
+        tell(f"error: {e}{retry_note(e.exit_code)}")
         code = e.exit_code
     except KeyboardInterrupt:
-        print("interrupted by a second Ctrl-C: the step in progress is not checkpointed; the newest "
-              "complete checkpoint is intact (--resume auto)", file=sys.stderr)
+        tell("interrupted by a second Ctrl-C: the step in progress is not checkpointed; the newest "
+             "complete checkpoint is intact (--resume auto)")
         code = 130
     except Exception as e:
         why = preemption.describe_comm_failure(e) if world_size > 1 else None
         if why is None:  # a bug or a CUDA OOM: its traceback, but no loader thread or worker into teardown
             stop_loaders()
             raise
-        print(f"error: rank {rank} lost contact with the other ranks ({why}): one died, or hung for "
-              f"more than --dist-timeout {args.dist_timeout} s; the newest complete checkpoint is "
-              f"intact (--resume auto)", file=sys.stderr)
+        tell(f"error: rank {rank} lost contact with the other ranks ({why}): one died, or hung for "
+             f"more than --dist-timeout {args.dist_timeout} s; the newest complete checkpoint is "
+             f"intact (--resume auto)")
         code = 1
     if code:  # a loop that failed leaves its loader running: stop its worker processes before leaving
         stop_loaders()
     if world_size > 1 and code == 0:
         dist.destroy_process_group()
     return code
+
+
+def tell(line: str) -> None:
+    """`line` on stderr in one write: the ranks of a node share it, and print's separate write
+    of the newline let another rank's line in between (two errors ran into one line)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def retry_note(code: int) -> str:
