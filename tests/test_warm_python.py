@@ -2,6 +2,7 @@
 from `python SCRIPT` and `python -m MODULE`: the same stdout, stderr (tracebacks included), exit code or death by
 signal, argv, `__name__`, atexit handlers and threads; and a killed client takes its run with it."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import time
 import pytest
 
 from conftest import is_alive, kill_tree, process_tree, session_pids, wait_gone, warm_python
+from warm_python import HANDLED_BY_THE_CHILD, IMPORT_TIME
 
 SCRIPTS = {
     "exit code": "raise SystemExit(3)",
@@ -29,6 +31,12 @@ SCRIPTS = {
 }
 
 
+def server_import_env():
+    """This process's variables read at import time: the server's, so a run with them is warm."""
+    return {name: value for name, value in os.environ.items()
+            if name.startswith(IMPORT_TIME) and name not in HANDLED_BY_THE_CHILD}
+
+
 @pytest.fixture(scope="module")
 def warm():
     command = warm_python()
@@ -42,7 +50,8 @@ def warm():
 def test_a_warm_run_is_a_cold_run(warm, tmp_path, source, as_module):
     script = tmp_path / "s.py"
     script.write_text(textwrap.dedent(source).strip() + "\n")
-    env = {"PYTHONUNBUFFERED": "1", "WARM_PROBE": "42", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    env = {**server_import_env(), "PYTHONUNBUFFERED": "1", "WARM_PROBE": "42", "OMP_NUM_THREADS": "1",
+           "PATH": "/usr/bin:/bin"}
     target = ["-m", "s"] if as_module else [str(script)]  # -m: found in the working directory
     runs = [subprocess.run([*prefix, *target, "an arg"], cwd=tmp_path, env=env, capture_output=True, text=True,
                            timeout=60) for prefix in ([sys.executable], warm)]
@@ -102,3 +111,37 @@ def test_process_tree_and_session_pids_follow_a_client_to_its_run(warm, tmp_path
     killed = kill_tree(client.pid)
     assert sorted(killed) == sorted([client.pid, run, child]) and wait_gone(killed) == []
     client.wait()
+
+
+IMPORT_TIME_PROBE = """
+import os, sys
+import torch._logging._internal as logs
+seeded = "PYTHONHASHSEED" in os.environ
+print(hash("warm") if seeded else "-", sorted(logs.log_state.artifact_names), sys.flags.dont_write_bytecode)
+print("parent", os.getppid())
+"""
+CHANGES = {
+    "TORCH_LOGS": lambda env: {**env, "TORCH_LOGS": "recompiles"},
+    "PYTHONHASHSEED": lambda env: {**env, "PYTHONHASHSEED": "7"},
+    "-B": lambda env: {k: v for k, v in env.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    if "PYTHONDONTWRITEBYTECODE" in env else {**env, "PYTHONDONTWRITEBYTECODE": "1"},
+}
+
+
+@pytest.mark.parametrize("change", CHANGES.values(), ids=CHANGES.keys())
+def test_a_run_whose_import_time_environment_is_not_the_servers_starts_cold(warm, tmp_path, change):
+    """TORCH_LOGS, PYTHONHASHSEED, -B's variable: read when torch is imported or the interpreter
+    starts, so in a fork the server's values would hold. Such a run starts cold (its parent
+    is then this process: the client exec'ed the interpreter) and sees its own; a run with
+    the server's values is forked (its parent is the server)."""
+    script = tmp_path / "probe.py"
+    script.write_text(IMPORT_TIME_PROBE)
+    base = {**server_import_env(), "PATH": "/usr/bin:/bin"}
+    changed = change(base)
+    cold = subprocess.run([sys.executable, script], env=changed, capture_output=True, text=True, timeout=60)
+    hot = subprocess.run([*warm, script], env=changed, capture_output=True, text=True, timeout=60)
+    assert hot.returncode == cold.returncode == 0, hot.stderr + cold.stderr
+    assert hot.stdout.splitlines()[0] == cold.stdout.splitlines()[0]
+    assert hot.stdout.splitlines()[1] == f"parent {os.getpid()}"
+    same = subprocess.run([*warm, script], env=base, capture_output=True, text=True, timeout=60)
+    assert same.returncode == 0 and same.stdout.splitlines()[1] != f"parent {os.getpid()}", same.stdout

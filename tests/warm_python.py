@@ -21,7 +21,16 @@ What differs from a cold start, and why the suite keeps cold starts where it mat
   (/proc/PID/environ) and parent are the server's: tests that find processes by those, or
   whose run must outlive or notice its parent, start their runs cold;
 - library state set from the environment at import time is the server's, except
-  OMP_NUM_THREADS (torchrun sets it for its ranks), which the child applies to torch.
+  OMP_NUM_THREADS (torchrun sets it for its ranks), which the child applies to torch. So a
+  run whose environment differs from the server's in a variable read at import time
+  (`IMPORT_TIME`: TORCH_LOGS, TORCHINDUCTOR_*, TORCHDYNAMO_*, HF_*, PYTHONHASHSEED and the
+  other PYTHON* settings that -X options mirror, ...) is run cold by its client (it execs the
+  interpreter; the server writes the environment its imports saw beside its socket): a test
+  that sets TORCH_LOGS sees its logs.
+- the server forks: its preload must leave no thread of Python's running and CUDA
+  uninitialised, or it refuses to start. (torch's and pyarrow's own native threads, an
+  idle pool and jemalloc's, are re-made or not needed in a fork: their libraries' atfork
+  handlers see to it.)
 
     python tests/warm_python.py serve SOCKET    the server (conftest starts one per test process)
     python tests/warm_python.py SOCKET (SCRIPT | -m MODULE) [ARGS...]   one run: this client passes its
@@ -37,6 +46,13 @@ import signal
 import socket
 import struct
 import sys
+
+# Environment variables read when a library is imported (or the interpreter starts), which a
+# forked run would see as the server saw them: prefixes, and the exceptions the child handles.
+IMPORT_TIME = ("TORCH_LOGS", "TORCH_COMPILE", "TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_SHOW_", "PYTORCH_",
+               "HF_", "TRANSFORMERS_", "TOKENIZERS_", "PYTHON", "ARROW_", "NUMPY_", "MKL_", "OPENBLAS_",
+               "KMP_", "GOMP_")
+HANDLED_BY_THE_CHILD = {"PYTHONUNBUFFERED", "PYTHONPATH", "OMP_NUM_THREADS"}
 
 # Not torch.distributed.run itself: run as `-m` after an import, runpy warns on stderr.
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.launcher.api", "numpy", "pyarrow",
@@ -95,13 +111,33 @@ def preload():
     ours = {name[:-3] for name in os.listdir(repo) if name.endswith(".py")} & set(sys.modules)
     if ours:
         raise SystemExit(f"warm_python: the preload imported modules named as the project's: {sorted(ours)}")
+    import threading
+
+    import torch
+
+    if torch.cuda.is_initialized():
+        raise SystemExit("warm_python: the preload initialised CUDA, which a forked run cannot use")
+    if threading.active_count() != 1:
+        raise SystemExit(f"warm_python: the preload left threads running, which a fork would not copy "
+                         f"(but their locks): {[t.name for t in threading.enumerate()]}")
+
+
+def import_time_differences(env: dict, server_env: dict) -> list[str]:
+    """The variables read at import time whose value in a run's `env` is not the one the
+    server's imports saw (`server_env`)."""
+    names = {name for name in (*env, *server_env) if name.startswith(IMPORT_TIME)} - HANDLED_BY_THE_CHILD
+    return sorted(name for name in names if env.get(name) != server_env.get(name))
 
 
 def serve(path):
     import selectors
     import traceback
 
+    imported_with = {name: value for name, value in os.environ.items() if name.startswith(IMPORT_TIME)}
     preload()
+    with open(path + ".env.tmp", "w") as f:
+        json.dump(imported_with, f)
+    os.replace(path + ".env.tmp", path + ".env")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
@@ -284,6 +320,9 @@ def exit_code(code):
 # ── The client ───────────────────────────────────────────────────────────────────────
 
 def client(path, argv):
+    with open(path + ".env") as f:
+        if import_time_differences(dict(os.environ), json.load(f)):  # the server's imports saw other values
+            os.execv(sys.executable, [sys.executable, *argv])
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(path)
     send_msg(sock, {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "client": os.getpid()},
