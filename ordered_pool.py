@@ -110,7 +110,10 @@ class OrderedPool:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        executor.shutdown(wait=True, cancel_futures=True)
+        try:
+            executor.shutdown(wait=True, cancel_futures=True)
+        except RuntimeError:  # a Ctrl-C inside submit() left its manager thread made but not started
+            pass
 
     def _next(self, items: Iterator):
         if self.stop.is_set():

@@ -63,6 +63,10 @@ docstrings, parsed with `ast` from its sources (nothing imported or downloaded).
 
 from __future__ import annotations
 
+import startup
+
+startup.quiet_ctrl_c(__name__)  # first: a Ctrl-C while pyarrow and lancedb import is one line
+
 import argparse
 import ast
 import gzip
@@ -910,6 +914,7 @@ def without_torch() -> None:
 
 
 def main(argv=None) -> None:
+    startup.script_handles_ctrl_c()  # as KeyboardInterrupt: "interrupted: the table is as it was"
     args = parse_args(argv)
     options = dict(mode=args.mode, val_fraction=args.val_fraction, min_chars=args.min_chars,
                    workers=args.workers, ray=args.ray)

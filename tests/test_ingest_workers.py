@@ -267,3 +267,37 @@ def test_progress_shows_docs_and_tokens_per_second(tmp_path):
     summary = out.splitlines()[0]
     assert "2 workers" in summary and summary.endswith(" tokens/s")
     assert out.splitlines()[1].startswith("main process while writing:")
+
+
+INGEST_MOMENTS = {  # when to press Ctrl-C during prepare_data.py --workers 2's start-up
+    "importing": lambda workers, age: age >= 0.5,  # past the interpreter's own start (site, encodings)
+    "a worker starting": lambda workers, age: len(workers) >= 1,
+    "workers importing": lambda workers, age: len(workers) >= 2,
+}
+
+
+@pytest.mark.parametrize("moment", INGEST_MOMENTS)
+def test_ctrl_c_at_any_moment_of_an_ingests_start_up_is_one_line(tmp_path, moment):
+    """A terminal's Ctrl-C while the run or a spawned worker still imports (pyarrow, lancedb,
+    the tokenizer): one line, exit 130, no traceback from any process, no table made, no
+    worker left."""
+    source = write_jsonl(tmp_path / "a.jsonl", [{"text": prose(i)} for i in range(3000)])
+    db = tmp_path / "db"
+    proc = subprocess.Popen([sys.executable, "prepare_data.py", str(source), "--db", str(db), "--batch-size", "10",
+                             "--workers", "2"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, preexec_fn=sigint_at_default)
+    seen, started = set(), time.monotonic()
+    deadline = started + 60
+    while not INGEST_MOMENTS[moment](workers := spawned_children(proc.pid), time.monotonic() - started):
+        seen.update(workers)
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.002)
+    seen.update(workers)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (proc.returncode, out, err)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert err.strip().splitlines() in (["interrupted while starting: nothing was written"],
+                                        ["interrupted: the table is as it was"]), err
+    assert wait_gone(sorted(seen), timeout=10.0) == []
+    assert not db.exists() or lancedb.connect(str(db)).table_names() == []
