@@ -101,6 +101,15 @@ READ_ROWS = 1 << 20  # batch size for reading the permutation table back
 MAX_WORKERS = 256  # slots of the shared budget-wait counter, one per loader worker
 
 
+def size_permutation_memory(rows: int) -> None:
+    """Memory for lancedb's permutation builder to sort a table of `rows` rows, unless the
+    user set PERM_MEMORY_ENV. Call it at start-up, on the main thread, before any loader
+    runs: lancedb's native threads read the environment, and a setenv beside a getenv on
+    another thread is not safe (the next epoch's dataset is made on a thread of its own)."""
+    if _sized_perm_memory:
+        os.environ[PERM_MEMORY_ENV] = str(max(100 * 2**20, PERM_BYTES_PER_ROW * rows))
+
+
 def _source_hash(qualname: str) -> str:
     owner, name = qualname.split(".")
     cls = _streaming.StreamingDataset if owner == "StreamingDataset" else Permutation
@@ -332,8 +341,6 @@ class BoundedStreamingDataset(_streaming.StreamingDataset):
         self._store_retry = storage.StoreRetry(storage.retry_budget_s() if retry_s is None else retry_s)
 
         def build():
-            if _sized_perm_memory:
-                os.environ[PERM_MEMORY_ENV] = str(max(100 * 2**20, PERM_BYTES_PER_ROW * table.count_rows()))
             super(BoundedStreamingDataset, self).__init__(storage.unretried(table), **kwargs)
 
         with storage.read_faults(table):

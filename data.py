@@ -14,11 +14,9 @@ here as plain batches with no loader state.
 from __future__ import annotations
 
 import functools
-import gc
 import itertools
 import time
 import traceback
-import weakref
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,14 +41,8 @@ from common import (
     packed_token_count,
 )
 from distributed import barrier, broadcast_from_main, print0
-from prefetch import Prefetcher
+from prefetch import NEXT_EPOCH_THREAD, Prefetcher
 from storage import connect_table, read_faults
-
-
-# The worker-process loaders of this process, and the prefetch threads that drive them: a
-# run that fails stops them (`stop_loaders`).
-_RUNNING: weakref.WeakSet = weakref.WeakSet()
-_PREFETCHING: weakref.WeakSet = weakref.WeakSet()
 
 # Per rank. The loader's tokens/s on this project's benchmarks is flat from a few MiB up,
 # and 256 MiB holds over a minute of a fast GPU's tokens as Arrow (README 'Bounded read-ahead').
@@ -137,9 +129,7 @@ def make_loader(ds, args, device: torch.device, splits_per_rank: int):
         multiprocessing_context=args.mp_context,
         worker_init_fn=init_worker,
     )
-    batches = interleave_workers(loader, args.num_workers, splits_per_rank // args.num_workers)
-    _RUNNING.add(batches)
-    return batches
+    return interleave_workers(loader, args.num_workers, splits_per_rank // args.num_workers)
 
 
 def init_worker(worker_id: int) -> None:
@@ -152,11 +142,10 @@ def init_worker(worker_id: int) -> None:
     torch.set_num_threads(1)
 
 
-def prefetched(items, device: torch.device) -> Prefetcher:
-    """`items` (train_batches) made ahead on a thread of their own (prefetch.py)."""
-    prefetcher = Prefetcher(items, device)
-    _PREFETCHING.add(prefetcher)
-    return prefetcher
+def prefetched(items, device: torch.device, **options) -> Prefetcher:
+    """`items` (train_batches) made ahead on a thread of their own, which owns the loaders
+    and their teardown (prefetch.py; `options`: its stop_waiting, step_items)."""
+    return Prefetcher(items, device, **options)
 
 
 def loader_free_batches(items, count: int, device: torch.device, check: Callable) -> Iterator:
@@ -187,17 +176,6 @@ def random_batches(count: int, batch_size: int, seq_len: int, vocab_size: int, d
     yield from itertools.cycle(pool)
 
 
-def stop_loaders() -> None:
-    """Stop the worker processes of the loaders still running: a training loop that failed
-    leaves its own suspended, and a rank leaves by os._exit, which would orphan them (and
-    leak their queues' semaphores). A prefetch thread first: it closes the loaders it drives."""
-    for prefetcher in list(_PREFETCHING):
-        prefetcher.close()
-    for batches in list(_RUNNING):
-        batches.close()
-    gc.collect()  # a loader iterator held only by a cycle (an exception's frames) goes now, queues and all
-
-
 def interleave_workers(loader, num_workers: int, splits_per_worker: int):
     """One batch from each worker -> the batch an in-process loader would have made.
 
@@ -222,8 +200,10 @@ def read_ahead_line(args) -> str:
     if not args.loader_buffer_mb:
         return "loader: read-ahead not bounded (--loader-buffer-mb 0)"
     workers = f", {args.loader_buffer_mb / args.num_workers:g} MiB per worker" if args.num_workers else ""
+    second = f" (and {args.num_workers} more loader workers)" if args.num_workers else ""
     return (f"loader: read-ahead at most {args.loader_buffer_mb:g} MiB per rank{workers} "
-            f"(--loader-buffer-mb), plus about two read batches per split")
+            f"(--loader-buffer-mb), plus about two read batches per split; twice that{second} "
+            f"while one epoch drains and the next starts")
 
 
 def ensure_demo_corpus(args, rank: int, world_size: int) -> None:
@@ -350,6 +330,8 @@ def open_training_data(args, tok, rank: int, world_size: int, device, num_splits
                        global_batch: int, saved: dict | None = None, epoch: int = 0) -> TrainingData:
     """The run's samples; `saved` is the resumed checkpoint's data version (None on a fresh
     start) and `epoch` the epoch it resumes in."""
+    from bounded_streaming import size_permutation_memory
+
     if args.blocks_mode == "off":
         ensure_demo_corpus(args, rank, world_size)
         where = f"table {args.table!r} in {args.db!r}"
@@ -359,6 +341,7 @@ def open_training_data(args, tok, rank: int, world_size: int, device, num_splits
         def source(table) -> TrainingData:
             with read_faults(table):
                 plan = plan_epoch(args, table, num_splits, global_batch)
+                size_permutation_memory(table.count_rows())  # here, on the main thread, before any loader
             corpus = corpus_source(args, tok, TRAIN_FILTER, args.pack, plan.blocks_per_epoch)
             return TrainingData(plan, "corpus", table, dataset=lambda epoch: make_dataset(
                 args, table, rank, world_size, epoch=epoch, shuffle=True, num_splits=num_splits,
@@ -389,6 +372,7 @@ def open_training_data(args, tok, rank: int, world_size: int, device, num_splits
         transform = functools.partial(blocks_loaders.blocks_to_samples, seq_len=args.seq_len)
 
         def source(table) -> TrainingData:
+            size_permutation_memory(num_blocks)
             return TrainingData(plan, identity, dataset=lambda epoch: make_dataset(
                 args, table, rank, world_size, epoch=epoch, shuffle=True, num_splits=num_splits,
                 transform=transform))
@@ -498,7 +482,7 @@ def train_batches(args, data: TrainingData, rank, world_size, device, num_splits
     its own (its permutation built, its worker processes spawned, its first batch made),
     so the boundary costs no wait. Till this epoch drains, the two read ahead side by side.
     """
-    ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="next-epoch")
+    ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix=NEXT_EPOCH_THREAD)
     upcoming = None  # Future of the next epoch's started EpochBatches
     try:
         for epoch in range(start_epoch, args.epochs):
@@ -627,22 +611,18 @@ class WaitClock:
         self.thread_s = 0.0
 
     def timed(self, batches):
-        """`batches`, with each `next` timed; closing it closes `batches` (and so stops
-        their loader workers)."""
+        """`batches`, with each `next` timed. It leaves them open: their owner closes them
+        (train.batch_pipeline), after a stop's checkpoint."""
         it = iter(batches)
-        try:
-            while True:
-                start, cpu = time.perf_counter(), time.thread_time()
-                try:
-                    item = next(it)
-                except StopIteration:
-                    return
-                self.thread_s += time.thread_time() - cpu
-                self.waited += time.perf_counter() - start
-                yield item
-        finally:
-            if hasattr(it, "close"):
-                it.close()
+        while True:
+            start, cpu = time.perf_counter(), time.thread_time()
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            self.thread_s += time.thread_time() - cpu
+            self.waited += time.perf_counter() - start
+            yield item
 
 
 def slowest_share(waited: float, elapsed: float, world_size: int, device: torch.device) -> float:

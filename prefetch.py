@@ -1,4 +1,5 @@
-"""Micro-batches made ahead on a background thread, so the training thread only takes them.
+"""Micro-batches made ahead on a background thread, so the training thread only takes them;
+and the one owner of that thread, the loaders under it, and their teardown.
 
 On a GPU the thread that runs the training step also launches every kernel: whatever it
 does between steps (lancedb's packer, re-forming worker batches, unpickling, pinning) is
@@ -7,18 +8,35 @@ loaders, epochs, the next epoch's start) on one thread of its own, pins each bat
 and hands it over through a queue of `depth` batches: the training thread's part is one
 `Queue.get`. Errors raised there (a user error, a storage fault) reach the training thread
 at the batch where they happened, in order.
+
+It is a context manager, and every way out of a run leaves through its `close`: bounded
+(`TEARDOWN_S`), since the thread may be inside a read that retries an unreachable store or
+an epoch start (a permutation, worker processes) that cannot be interrupted; what has not
+ended by then has its loader worker processes killed. A stop signal does not wait for it:
+the stop's checkpoint is written first (train.py), and a wait for a batch gives way to a
+stop where `stop_waiting` allows (one process: a step boundary needs no vote).
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import queue
+import signal
 import threading
+import time
+from collections.abc import Callable
 
 import torch
 
 # Micro-batches made ahead of the one training: enough to hide a slow batch, few enough
 # that a stop or a checkpoint leaves little made for nothing (each is batch x seq_len ids).
 DEFAULT_DEPTH = 4
+# The most a close waits for the thread to end its loaders: the run's exit comes after the
+# stop's checkpoint, and within a preemption's grace period (often 30 s) after the signal.
+TEARDOWN_S = 5.0
+POLL_S = 0.05
+THREAD_NAME = "batch-prefetch"
+NEXT_EPOCH_THREAD = "next-epoch"  # data.train_batches' thread name prefix
 _DONE = object()
 
 
@@ -32,15 +50,25 @@ class _Raised:
 class Prefetcher:
     """Iterate `items` (a generator of (epoch, position, batch)) on a background thread,
     `depth` items ahead, each batch pinned when `device` is CUDA. close() stops it and the
-    loaders under it, from any thread, and waits for them."""
+    loaders under it, from any thread, and waits for them (bounded).
 
-    def __init__(self, items, device: torch.device, depth: int = DEFAULT_DEPTH):
+    `stop_waiting`: asked while the consumer waits for an item and has taken a multiple of
+    `step_items` (an optimizer step's micro-batches); when it says so, iteration ends there
+    and `interrupted` is set.
+    """
+
+    def __init__(self, items, device: torch.device, depth: int = DEFAULT_DEPTH,
+                 stop_waiting: Callable[[], bool] | None = None, step_items: int = 1):
         self._items = items
         self._device = device
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._finished = False
-        self._thread = threading.Thread(target=self._produce, name="batch-prefetch", daemon=True)
+        self._stop_waiting = stop_waiting
+        self._step_items = step_items
+        self._taken = 0
+        self.interrupted = False
+        self._thread = threading.Thread(target=self._produce, name=THREAD_NAME, daemon=True)
         self._thread.start()
 
     def __iter__(self):
@@ -49,7 +77,7 @@ class Prefetcher:
     def __next__(self):
         if self._finished:
             raise StopIteration
-        item = self._queue.get()
+        item = self._get()
         if item is _DONE:
             self._finished = True
             raise StopIteration
@@ -57,16 +85,45 @@ class Prefetcher:
             self._finished = True
             error, item.error = item.error, None
             raise error
+        self._taken += 1
         return item
 
-    def close(self) -> None:
-        """Stop making batches, close the pipeline (its worker processes included) and join."""
+    def _get(self):
+        if self._stop_waiting is None:
+            return self._queue.get()
+        while True:
+            try:
+                return self._queue.get(timeout=POLL_S)
+            except queue.Empty:
+                if self._taken % self._step_items == 0 and self._stop_waiting():
+                    self.interrupted = self._finished = True
+                    raise StopIteration from None
+
+    def __enter__(self) -> Prefetcher:
+        return self
+
+    def __exit__(self, kind, *exc) -> None:
+        self.close(0.0 if kind is KeyboardInterrupt else TEARDOWN_S)  # a second Ctrl-C: at once
+
+    def close(self, timeout: float = TEARDOWN_S) -> bool:
+        """Stop making batches and close the pipeline (its worker processes included), waiting
+        at most `timeout` s; then kill the loader workers that are left. Returns whether it all
+        ended in time. A KeyboardInterrupt (a second Ctrl-C) kills them at once."""
         self._stop.set()
         self._finished = True
-        while self._thread.is_alive():
-            self._drain()
-            self._thread.join(timeout=0.05)
+        deadline = time.monotonic() + timeout
+        try:
+            while self._thread.is_alive() and time.monotonic() < deadline:
+                self._drain()
+                self._thread.join(timeout=POLL_S)
+        except KeyboardInterrupt:
+            kill_loader_workers()
+            raise
         self._drain()
+        if self._thread.is_alive():
+            kill_loader_workers()
+            return False
+        return True
 
     def _drain(self) -> None:
         try:
@@ -86,6 +143,11 @@ class Prefetcher:
         return False
 
     def _produce(self) -> None:
+        # Ctrl-C blocked on this thread, and so on the next-epoch thread it starts and in every
+        # loader process started from them (the forkserver, whose forks keep its mask): a
+        # terminal's Ctrl-C reaches the whole process group, and a worker still importing
+        # would print a KeyboardInterrupt traceback. The main thread still takes it.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         pin = self._device.type == "cuda"
         try:  # set_device too: whatever fails here must reach the consumer, which waits on the queue
             if pin:
@@ -101,3 +163,20 @@ class Prefetcher:
             self._put(_Raised(e))
         finally:
             self._items.close()
+
+
+def kill_loader_workers() -> None:
+    """SIGKILL this process's multiprocessing children (the DataLoader workers of every epoch):
+    for a teardown that did not end in time, or was cut short. The thread that drove them may
+    still be inside lancedb; the process leaves by os._exit (train.leave)."""
+    for child in multiprocessing.active_children():
+        child.kill()
+    for child in multiprocessing.active_children():
+        child.join(timeout=1.0)
+
+
+def still_running() -> bool:
+    """Whether a thread of a pipeline is still alive: its close timed out or was cut short,
+    so the process must not wait for it at exit (train.leave)."""
+    return any(t.is_alive() and (t.name == THREAD_NAME or t.name.startswith(NEXT_EPOCH_THREAD))
+               for t in threading.enumerate())

@@ -25,6 +25,10 @@ TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1:2 --nproc-per-node 8 --
 
 from __future__ import annotations
 
+import startup
+
+startup.quiet_ctrl_c(__name__)  # first: a Ctrl-C while torch and lancedb import is one line
+
 import argparse
 import contextlib
 import dataclasses
@@ -34,6 +38,7 @@ import os
 import re
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 
 import torch
@@ -44,13 +49,14 @@ from torch.utils.data import DataLoader
 import blocks_loaders
 import checkpoint
 import preemption
+import prefetch
 import storage
 from blocks_loaders import MODE_FORMAT
 from common import (DEFAULT_DB, DEFAULT_TABLE, VAL_FILTER, StorageFault, Tokenizer, UserError,
                     block_hashes, is_remote, load_tokenizer)
 from data import (DEFAULT_LOADER_BUFFER_MB, TrainingData, WaitClock, check_validation_data, corpus_source,
                   data_filter, format_loader_stats, loader_free_batches, loader_stats, make_dataset,
-                  open_training_data, prefetched, random_batches, read_ahead_line, slowest_share, stop_loaders,
+                  open_training_data, prefetched, random_batches, read_ahead_line, slowest_share,
                   train_batches)
 from distributed import elastic_attempt, first_fault, print0, replica_digests, setup_distributed
 from metrics import (MetricsLog, RunRecords, TensorBoardLog, append_record, drop_records_after, record_fault,
@@ -290,7 +296,7 @@ def add_observability_flags(g) -> None:
     g.add_argument("--loader-free", type=int, default=0, metavar="N",
                    help="benchmark the training step alone: draw N micro-batches once, keep them on the "
                    "device and cycle over them, so no loader runs in the loop (bench/gpu_check.py's "
-                   "ceiling, which the fed run's tok/s is compared with); writes no checkpoint")
+                   "ceiling, which the fed run's tok/s is compared with); writes no checkpoint; needs --steps")
     g.add_argument("--random-ids", type=int, default=0, metavar="VOCAB",
                    help="with --loader-free: the model has a VOCAB-id vocabulary and the pool holds "
                    "uniform random ids drawn on the device, not the loader's batches: the step at a "
@@ -323,6 +329,9 @@ def check_args(args, world_size: int) -> int:
         if value < 0:
             raise UserError(f"{flag} must not be negative (got {value})")
     args.grad_accum = derived_grad_accum(args, world_size)
+    if args.loader_free and not args.steps:
+        raise UserError(f"--loader-free {args.loader_free} cycles over its pool for ever, so no epoch ends: "
+                        f"pass --steps N")
     if args.loader_free and args.resume:
         raise UserError("--loader-free benchmarks the step on batches it keeps on the device and writes no "
                         "checkpoint: it cannot --resume")
@@ -642,9 +651,11 @@ def train_locked(args, rank: int, world_size: int, device: torch.device, num_spl
               peak, metrics)
     trace = SampleTrace(args.trace_samples, rank, world_size, state.opt_step) if args.trace_samples else None
     try:
-        stopped, last = train_loop(run, state, model, trainable, opt, loader_state, stop, trace)
-        if last is not None and state.opt_step != state.last_saved and not args.loader_free:  # always resumable
-            save(run, state, model, opt, *last)
+        # Every way out closes the pipeline (bounded), and only after a stop's checkpoint is on disk.
+        with batch_pipeline(run, state, loader_state, stop) as batches:
+            stopped, last = train_loop(run, state, model, trainable, opt, batches, stop, trace)
+            if last is not None and state.opt_step != state.last_saved and not args.loader_free:  # always resumable
+                save(run, state, model, opt, *last)
         end_on_record_fault(run, state, trace)
         saved = checkpoint.checkpoint_path(args.ckpt_dir, state.opt_step)
         if stopped == preemption.AGENT_LOST:
@@ -654,6 +665,9 @@ def train_locked(args, rank: int, world_size: int, device: torch.device, num_spl
             return 1
         if stopped:
             why = (stop and stop.requested) or "a stop signal on another rank"
+            if state.last_saved != state.opt_step:  # stopped while waiting for the first batch of a new run
+                print0(f"{run.tag}stopped by {why} before the first step: nothing was trained, so nothing is saved")
+                return 0
             print0(f"{run.tag}stopped by {why} at step {state.opt_step}: saved {saved}; continue with --resume auto")
             return 0
         val = validate(run, state, model)
@@ -753,23 +767,23 @@ def open_metrics(args, rank: int, world_size: int, model, resumed_step: int,
     return RunRecords(sinks) if sinks else None
 
 
-def train_loop(run: Run, state: TrainState, model, trainable, opt, loader_state,
+def train_loop(run: Run, state: TrainState, model, trainable, opt, source,
                stop: preemption.StopSignals | None, trace: SampleTrace | None) -> tuple[bool, tuple | None]:
-    """Optimizer steps from the resumed one to --steps or the end of the last epoch.
+    """Optimizer steps from the resumed one to --steps or the end of the last epoch, on the
+    (epoch, loader position, micro-batch)s of `source` (batch_pipeline).
 
     Returns why the ranks' stop vote ended the loop (0: it did not; preemption.STOP: a stop
     signal or a record write that failed; preemption.AGENT_LOST), and the last (epoch,
-    dataset, batch) trained on, which the final checkpoint records (None when nothing was
-    trained).
+    loader position, batch) trained on, which the final checkpoint records (None when
+    nothing was trained).
     """
     args, device, world_size = run.args, run.device, run.world_size
     clock = WaitClock()
-    batches = clock.timed(batch_source(run, state, loader_state))
     interval = Interval(time.perf_counter(), state.opt_step, 0.0, 0.0)
     vote = preemption.StopVote(world_size, device)
     last, micro = None, 0
-    for epoch, ds, batch in batches:
-        state.epoch, last = epoch, (epoch, ds, batch)
+    for epoch, position, batch in clock.timed(source):
+        state.epoch, last = epoch, (epoch, position, batch)
         if trace:
             trace.add(batch["input_ids"])
         is_sync = (micro + 1) % args.grad_accum == 0
@@ -793,9 +807,9 @@ def train_loop(run: Run, state: TrainState, model, trainable, opt, loader_state,
             trace.commit(state.opt_step, epoch)
 
         if state.opt_step % args.log_every == 0:
-            interval = log_progress(run, state, interval, clock, loss, opt.param_groups[0]["lr"], ds)
+            interval = log_progress(run, state, interval, clock, loss, opt.param_groups[0]["lr"], position)
         if state.opt_step % args.ckpt_every == 0 and not args.loader_free:
-            interval = interval.excluding(save(run, state, model, opt, epoch, ds, batch))
+            interval = interval.excluding(save(run, state, model, opt, epoch, position, batch))
         if args.eval_every and state.opt_step % args.eval_every == 0:
             started = time.perf_counter()
             val = validate(run, state, model)
@@ -807,24 +821,39 @@ def train_loop(run: Run, state: TrainState, model, trainable, opt, loader_state,
             break
         if args.steps and state.opt_step >= args.steps:
             break
-    batches.close()  # stops loader workers now, not at interpreter exit
+    if getattr(source, "interrupted", False):  # a stop came while waiting for a step's first batch
+        vote.stop_now(stop.wish)
     vote.settle()
     return vote.reason, last
 
 
-def batch_source(run: Run, state: TrainState, loader_state):
-    """The loop's (epoch, loader position, micro-batch)s: made ahead on a thread of their own
-    (prefetch.py), or --loader-free's pool kept on the device; none once --steps is reached."""
+@contextlib.contextmanager
+def batch_pipeline(run: Run, state: TrainState, loader_state, stop: preemption.StopSignals | None):
+    """The loop's (epoch, loader position, micro-batch)s, closed on the way out whatever the
+    way: made ahead on a thread that owns the loaders (prefetch.Prefetcher, whose close is
+    bounded), or --loader-free's pool kept on the device; none once --steps is reached.
+
+    On one process a stop that comes while the loop waits for a step's first batch (an
+    unreachable store retrying, an epoch's workers starting) ends the wait: that step is
+    not begun. Ranks agree on a step only through the vote, after a step, so they wait.
+    """
     args = run.args
     if args.steps and state.opt_step >= args.steps:
-        return ()
+        yield ()
+        return
     if args.random_ids:
-        return random_batches(args.loader_free, args.batch_size, args.seq_len, args.random_ids, run.device)
+        yield random_batches(args.loader_free, args.batch_size, args.seq_len, args.random_ids, run.device)
+        return
     items = train_batches(args, run.data, run.rank, run.world_size, run.device, run.num_splits,
                           state.epoch, loader_state, micro_steps_into_epoch(run, state))
     if args.loader_free:
-        return loader_free_batches(items, args.loader_free, run.device, lambda ids: check_vocabulary(ids, run.tok))
-    return prefetched(items, run.device)
+        pool = loader_free_batches(items, args.loader_free, run.device, lambda ids: check_vocabulary(ids, run.tok))
+        with contextlib.closing(pool):
+            yield pool
+        return
+    stop_waiting = (lambda: bool(stop.wish)) if stop is not None and run.world_size == 1 else None
+    with prefetched(items, run.device, stop_waiting=stop_waiting, step_items=args.grad_accum) as batches:
+        yield batches
 
 
 def micro_steps_into_epoch(run: Run, state: TrainState) -> int:
@@ -917,7 +946,7 @@ def last_good(state: TrainState) -> str:
         if state.last_saved > 0 else "no checkpoint was written"
 
 
-def save(run: Run, state: TrainState, model, opt, epoch: int, ds, batch) -> float:
+def save(run: Run, state: TrainState, model, opt, epoch: int, position, batch) -> float:
     """Checkpoint this step on every rank, once the weights are known to be finite (the
     loss of the last batch is computed again on the weights about to be saved) and the
     same on every rank (`checked_replicas`). Returns the seconds it took.
@@ -930,7 +959,7 @@ def save(run: Run, state: TrainState, model, opt, epoch: int, ds, batch) -> floa
     state.nonfinite += ~torch.isfinite(probe)
     seen = checked_tokens(state, run.world_size)
     digests = checked_replicas(model, state, run.world_size)
-    rank_payload = {"dataset": ds.state_dict() if ds is not None else None, "epoch": epoch,
+    rank_payload = {"dataset": position.state_dict() if position is not None else None, "epoch": epoch,
                     "opt_step": state.opt_step}
     path = checkpoint.save_checkpoint(run.args.ckpt_dir, run.rank, run.world_size, rank_payload, lambda: {
         "model": model.state_dict(),
@@ -971,6 +1000,7 @@ def main(argv=None) -> None:
         # (Python <3.12 never preloads __main__): ~0.2 s per worker instead of ~5 s,
         # paid again every epoch. Nothing there has started lancedb's runtime.
         mp.set_forkserver_preload(["torch", "blocks_loaders", "data"])
+        project_on_workers_path()
     if args.num_workers:
         # Before any StreamingDataset exists: its shared-memory stats are
         # created in the *default* mp context, so make that the same
@@ -984,7 +1014,18 @@ def main(argv=None) -> None:
     agent = preemption.exit_with_parent() if "TORCHELASTIC_RUN_ID" in os.environ else None  # never outlive it
     with preemption.StopSignals(signals, agent) as stop:
         code = run(args, stop)
-    leave(code, skip_finalizers=finalizers_may_hang(args, code))
+    leave(code, skip_finalizers=finalizers_may_hang(args, code) or prefetch.still_running())
+
+
+def project_on_workers_path() -> None:
+    """This project's directory first on the loader workers' import path, at start-up.
+    Python's forkserver (3.11, 3.12) starts in the working directory and does not take the
+    parent's sys.path, so a ./data folder there (as ML projects have) hid data.py from the
+    workers: they died on an ImportError."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if here not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([here, *paths])
 
 
 def run(args, stop: preemption.StopSignals) -> int:
@@ -1003,20 +1044,18 @@ def run(args, stop: preemption.StopSignals) -> int:
         tell(f"error: {e}{retry_note(e.exit_code)}")
         code = e.exit_code
     except KeyboardInterrupt:
-        tell("interrupted by a second Ctrl-C: the step in progress is not checkpointed; the newest "
+        tell("interrupted by a second Ctrl-C: what was not checkpointed yet is lost; the newest "
              "complete checkpoint is intact (--resume auto)")
         code = 130
     except Exception as e:
         why = preemption.describe_comm_failure(e) if world_size > 1 else None
-        if why is None:  # a bug or a CUDA OOM: its traceback, but no loader thread or worker into teardown
-            stop_loaders()
-            raise
+        if why is None:  # a bug or a CUDA OOM: its traceback; its pipeline is closed by now, as on every way out
+            traceback.print_exc()
+            return 1
         tell(f"error: rank {rank} lost contact with the other ranks ({why}): one died, or hung for "
              f"more than --dist-timeout {args.dist_timeout} s; the newest complete checkpoint is "
              f"intact (--resume auto)")
         code = 1
-    if code:  # a loop that failed leaves its loader running: stop its worker processes before leaving
-        stop_loaders()
     if world_size > 1 and code == 0:
         dist.destroy_process_group()
     return code
@@ -1076,7 +1115,7 @@ def release_semaphores() -> None:
     and events) that are still alive, as multiprocessing's exit handler would: os._exit skips
     it, and the resource tracker then prints a "leaked semaphore objects" warning after the
     run's last line. Only finalizers of priority >= 0 run (no thread or child is joined), and
-    the loader workers are stopped by now (data.stop_loaders, or their loop ended)."""
+    the loader workers are stopped by now (prefetch.Prefetcher.close, or their loop ended)."""
     import multiprocessing.util
 
     multiprocessing.util._run_finalizers(0)

@@ -191,3 +191,137 @@ def test_a_rank_whose_peer_is_gone_ends_with_one_line(demo_db, tmp_path, fate):
     assert f"--dist-timeout {timeout} s" in errors[0]
     assert took < timeout + GRACE
     assert not (tmp_path / "ck" / "train.lock").exists()
+
+
+@pytest.fixture(scope="module")
+def short_epochs(tmp_path_factory):
+    """A table of 32 documents: 8-step epochs at --batch-size 4, so a run keeps starting
+    the next epoch's loader (its worker processes) while the last one drains."""
+    from common import synthetic_corpus
+
+    db = str(tmp_path_factory.mktemp("short-epochs") / "db")
+    synthetic_corpus(db, 32, 10, 60)
+    return db
+
+
+SHORT_EPOCHS = ["--model", "tiny", "--seq-len", 64, "--batch-size", 4, "--num-splits", 4, "--epochs", 100000,
+                "--steps", 1000000, "--lr-total-steps", 1000, "--warmup-steps", 10, "--ckpt-every", 1000000,
+                "--log-every", 1, "--num-workers", 2]
+
+
+def test_a_stop_while_the_next_epochs_workers_start_is_saved_within_a_step(short_epochs, tmp_path):
+    """SIGTERM the moment a new loader worker appears (the next epoch starting): the stop's
+    checkpoint is on disk within one step plus the save plus 1 s, not after the loader's
+    shutdown (which waits for that start), and the process is gone within 10 s after it,
+    leaving no worker, forkserver or resource tracker behind."""
+    ck, trace = tmp_path / "ck", tmp_path / "trace"
+    proc = start_train(1, "--db", short_epochs, *SHORT_EPOCHS, "--ckpt-dir", ck, "--trace-samples", trace,
+                       cwd=tmp_path)
+    try:
+        steps_at = []  # when each optimizer step was first seen traced: the step time
+        deadline = time.monotonic() + 180
+        while len(steps_at) < 12:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            traced = len(read_trace(trace).get(0, [])) if trace.is_dir() else 0
+            steps_at += [time.monotonic()] * (traced - len(steps_at))
+            time.sleep(0.01)
+        known = set(process_tree(proc.pid))
+        while not set(process_tree(proc.pid)) - known:  # a new epoch's worker is being started
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.005)
+        tree = process_tree(proc.pid)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        saved = None
+        while proc.poll() is None and time.monotonic() - sent < GRACE:
+            if saved is None and list(ck.glob("step_*[0-9].pt")):
+                saved = time.monotonic()
+            time.sleep(0.005)
+        exited = time.monotonic()
+        out, err = proc.communicate(timeout=GRACE)
+        survivors = wait_gone(tree, timeout=2)
+    finally:
+        kill_tree(proc.pid)
+    assert proc.returncode == 0 and STOPPED.search(out), out + err
+    gaps = sorted(b - a for a, b in zip(steps_at, steps_at[1:]) if b > a)
+    step_s = gaps[len(gaps) // 2]
+    save_s = float(re.search(r"saved \S+ \(([\d.]+) s", out)[1])
+    assert saved is not None and saved - sent <= step_s + save_s + 1.0, (saved and saved - sent, step_s, save_s)
+    assert exited - saved <= 10, exited - saved
+    assert survivors == [], [open(f"/proc/{pid}/cmdline").read() for pid in survivors if is_alive(pid)]
+
+
+def test_an_unexpected_error_inside_the_step_tears_the_loaders_down(short_epochs, tmp_path):
+    """A bug (here an exception raised by the loss at step 5; a CUDA OOM is the same) ends the
+    run with its traceback and exit 1, within the teardown's bound, and leaves no loader
+    worker or thread of the pipeline: before, the next epoch's start and the workers ran on
+    into interpreter teardown."""
+    ck = tmp_path / "ck"
+    code = ("import sys, train\n"
+            "calls = [0]\n"
+            "real = train.batch_loss\n"
+            "def failing(*a, **k):\n"
+            "    calls[0] += 1\n"
+            "    if calls[0] == 5:\n"
+            "        raise RuntimeError('a bug inside the step')\n"
+            "    return real(*a, **k)\n"
+            "train.batch_loss = failing\n"
+            "train.main(sys.argv[1:])\n")
+    args = ["--db", short_epochs, *SHORT_EPOCHS, "--ckpt-dir", ck]
+    proc = subprocess.Popen([sys.executable, "-c", code, *map(str, args)], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        tree = set()
+        while proc.poll() is None:  # every process it ever had: the workers of each epoch
+            tree.update(process_tree(proc.pid))
+            time.sleep(0.01)
+        out, err = proc.communicate(timeout=GRACE)
+        survivors = wait_gone(sorted(tree), timeout=2)
+    finally:
+        kill_tree(proc.pid)
+    assert proc.returncode == 1, out + err
+    assert "RuntimeError: a bug inside the step" in err and "Traceback" in err, err
+    assert len(tree) >= 1 + 2, tree  # the run and its loader workers
+    assert survivors == [], [open(f"/proc/{pid}/cmdline").read() for pid in survivors if is_alive(pid)]
+
+
+STARTUP_MOMENTS = {  # when to press Ctrl-C: a condition on the run's age, process tree and trace
+    "importing": lambda age, tree, steps: age >= 0.5,  # past the interpreter's own start: importing torch
+    "first child starting": lambda age, tree, steps: len(tree) >= 2,  # the forkserver (or tracker) importing
+    "workers starting": lambda age, tree, steps: len(tree) >= 4,  # loader workers forked, unpickling
+    "training": lambda age, tree, steps: steps >= 1,
+}
+
+
+@pytest.mark.parametrize("moment", STARTUP_MOMENTS)
+def test_ctrl_c_at_any_moment_of_start_up_is_one_line(short_epochs, tmp_path, moment):
+    """A terminal's Ctrl-C (SIGINT to the whole process group) while train.py --num-workers 2
+    starts: no traceback from the run or any child, whichever is importing; exit 130 with one
+    line before the run's own handling is in place, a stop (exit 0) after; nothing left."""
+    ck, trace = tmp_path / "ck", tmp_path / "trace"
+    proc = start_train(1, "--db", short_epochs, *SHORT_EPOCHS, "--ckpt-dir", ck, "--trace-samples", trace,
+                       cwd=tmp_path)
+    seen, started = set(), time.monotonic()
+    try:
+        deadline = started + 120
+        while True:
+            tree = process_tree(proc.pid)
+            seen.update(tree)
+            steps = len(read_trace(trace).get(0, [])) if trace.is_dir() else 0
+            if STARTUP_MOMENTS[moment](time.monotonic() - started, tree, steps):
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.002)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=GRACE)
+        survivors = wait_gone(sorted(seen | set(tree)), timeout=5)
+    finally:
+        kill_tree(proc.pid)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    if proc.returncode == 130:
+        assert err.strip().splitlines() == ["interrupted while starting: nothing was written"], err
+    else:
+        assert proc.returncode == 0 and re.search(r"stopped by SIGINT (at step \d+: saved|before the first step)",
+                                                  out), out + err
+    assert survivors == [], [open(f"/proc/{pid}/cmdline").read() for pid in survivors if is_alive(pid)]

@@ -74,6 +74,27 @@ def test_prefetched_batches_and_positions_equal_inline_ones(corpus, flags):
     assert got[0][1] != got[1][1]  # positions move batch by batch
 
 
+@pytest.mark.parametrize("workers", [2, 4])
+@pytest.mark.parametrize("pack", [False, True], ids=["rows", "pack"])
+def test_micro_batches_of_several_cycles_are_the_same_whatever_the_workers(corpus, pack, workers):
+    """--batch-size 16 over --num-splits 4: each micro-batch holds 4 cycles of the rank's 4
+    splits, and each worker's batch 4 cycles of its own. With one cycle per batch several
+    wrong orders (workers stacked before cycles, a worker's splits in the wrong place) give
+    the right one; here each shows."""
+    def input_ids(num_workers):
+        args = train.parse_args(["--db", corpus, "--seq-len", "64", "--batch-size", "16", "--num-splits", "4",
+                                 "--num-workers", str(num_workers), *(["--pack"] if pack else [])])
+        num_splits = train.check_args(args, 1)
+        source = data.open_training_data(args, TOK, 0, 1, CPU, num_splits, args.batch_size)
+        return [batch["input_ids"].clone()
+                for _, _, batch in data.train_batches(args, source, 0, 1, CPU, num_splits, 0, None)]
+
+    inline, spread = input_ids(0), input_ids(workers)
+    assert len(spread) == len(inline) >= 5
+    for i, (want, got) in enumerate(zip(inline, spread)):
+        assert torch.equal(want, got), f"micro-batch {i} differs with --num-workers {workers}"
+
+
 def test_consumed_state_copies_the_pack_buffers(corpus):
     """bounded_streaming.consumed_state is lancedb's state_dict() without its deepcopy: equal
     to it, and not changed by the batches made after it."""
@@ -189,8 +210,16 @@ def test_loader_free_trains_on_a_pool_and_writes_no_checkpoint(demo_db, tmp_path
     assert len(lines) == 3 and all(" | q " not in line and "loader " in line for line in lines)
 
 
+def test_loader_free_needs_steps(demo_db, tmp_path):
+    """The pool is cycled for ever: without --steps the run would never end."""
+    proc = run_script("train.py", "--db", demo_db, "--loader-free", "3", "--ckpt-dir", tmp_path / "ck",
+                      cwd=tmp_path, timeout=120)
+    assert_user_error(proc, "--loader-free 3", "pass --steps N")
+    assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())
+
+
 def test_loader_free_refuses_resume(demo_db, tmp_path):
-    proc = run_script("train.py", "--db", demo_db, "--loader-free", "3", "--resume", "auto",
+    proc = run_script("train.py", "--db", demo_db, "--loader-free", "3", "--steps", "2", "--resume", "auto",
                       "--ckpt-dir", tmp_path / "ck", cwd=tmp_path)
     assert_user_error(proc, "--loader-free", "cannot --resume")
 

@@ -6,15 +6,19 @@ does not exist.
 """
 
 import json
+import os
 import random
+import signal
 import time
 
 import pytest
 
 import build_packed_datasets
 from blocks_loaders import read_manifest
-from conftest import assert_user_error, free_port, make_bucket, read_trace, run_script, run_trains
+from conftest import (assert_user_error, free_port, is_alive, kill_tree, make_bucket, pids_mentioning, process_tree,
+                      read_trace, run_script, run_trains, start_train, wait_gone)
 from test_elastic import per_step, resumed_from
+from test_preemption import wait_for_steps
 
 pytestmark = pytest.mark.slow  # trains or ingests in processes of its own: `-m "not slow"` leaves it out
 
@@ -194,3 +198,41 @@ def test_a_store_that_fails_is_one_line(s3_env, corpora, tmp_path, request, scri
     assert_user_error(proc, EXPECTED[case])
     assert elapsed < 60, f"{script} took {elapsed:.0f} s to give up"
     assert not list(tmp_path.glob("ck*")) and not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stop_while_the_store_hangs_saves_at_once_and_a_second_ctrl_c_ends_the_teardown(
+        corpora, s3_env, tmp_path, workers):
+    """The store freezes (moto SIGSTOPped: requests hang) and the loader starves at the next
+    epoch's start. A Ctrl-C then checkpoints the last step at once: the wait for a batch gives
+    way, and the checkpoint does not wait for the loader's teardown, which cannot end while
+    reads hang. A second Ctrl-C during that teardown exits 130 at once, with one line, and
+    leaves no loader worker (nor forkserver) behind."""
+    (store,) = pids_mentioning(f"moto.server -H 127.0.0.1 -p {s3_env['AWS_ENDPOINT_URL'].rsplit(':', 1)[1]}")
+    ck, trace = tmp_path / "ck-hang", tmp_path / "trace-hang"
+    proc = start_train(1, *run_flags(corpora["remote"], 1, "row", tmp_path, "hang", "--epochs", 1000,
+                                     "--ckpt-every", 100000, "--loader-buffer-mb", 1, "--num-workers", workers),
+                       cwd=tmp_path)
+    try:
+        wait_for_steps(trace, 2, proc)
+        os.kill(store, signal.SIGSTOP)
+        time.sleep(3)  # the read-ahead drains; the next epoch's permutation cannot be read
+        tree = process_tree(proc.pid)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        while not list(ck.glob("step_*[0-9].pt")) and proc.poll() is None and time.monotonic() - sent < 30:
+            time.sleep(0.01)
+        saved = time.monotonic() - sent
+        again = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+        exited = time.monotonic() - again
+        survivors = wait_gone(tree, timeout=2)
+    finally:
+        os.kill(store, signal.SIGCONT)
+        kill_tree(proc.pid)
+    assert proc.returncode == 130 and "Traceback" not in err, out + err
+    assert err.strip().splitlines()[-1].startswith("interrupted by a second Ctrl-C"), err
+    assert saved < 5 and list(ck.glob("step_*[0-9].pt")), (saved, out + err)
+    assert exited < 3, exited
+    assert survivors == [], [open(f"/proc/{pid}/cmdline").read() for pid in survivors if is_alive(pid)]
