@@ -5,7 +5,8 @@ Usage:
         [--budget-mb 16] [--tokens 20000000] [--tokens-per-s 300000] [--corpus-tokens 100000000]
         [--seq-len 1024] [--batch-size 32] [--read-batch-size 64] [--workers 2]
         [--startup-rows 200000,2000000,20000000] [--startup-splits 8,32]
-        [--skip-memory] [--skip-startup]
+        [--boundary-rows 300000] [--boundary-budget-mb 4] [--boundary-rows-per-s 15000]
+        [--skip-memory] [--skip-startup] [--skip-boundary]
 
 Part 1, memory. A corpus table of documents of 200-1,800 byte-tokenizer ids (--corpus-tokens
 in all) is written straight with pyarrow into --work (default: a temporary directory, removed
@@ -64,16 +65,26 @@ process times the permutation build alone (permutation_builder(table).filter(f)
 RSS just before the timed part (torch and lancedb imported, the table open): the table shows
 the difference. One run each: on a busy machine, compare the ratios rather than the seconds.
 lancedb's permutation builder sorts in a 100 MB memory pool unless
-LANCEDB_PERM_BUILDER_MEMORY_LIMIT says otherwise, too little from about 6M rows: the
-build-alone and lancedb children set it to 64 bytes a row (at least 100 MiB) when it is
-unset; bounded_streaming sets it itself for the bounded children.
+LANCEDB_PERM_BUILDER_MEMORY_LIMIT says otherwise, too little from about 6M rows: every
+child sets it to 64 bytes a row (at least 100 MiB) when it is unset, as train.py does at
+start-up (bounded_streaming.size_permutation_memory).
+
+Part 3, an epoch boundary. train.py's own batch path (data.train_batches, made on the
+prefetch thread) reads two epochs of a --boundary-rows table of rows (the start-up corpus's
+documents, --seq-len 64), at --boundary-rows-per-s, with --boundary-budget-mb, in-process and
+with --workers loader workers. Once an epoch's loader has asked for all of its rows, the
+next epoch's loader is started beside it (its permutation, its workers, its read-ahead) while
+this one drains: the table shows the peak RSS of the tree above its RSS at the first batch,
+before that moment and from it to the end, the processes in the tree, and how long the two
+overlapped, beside the bound the start-up line states.
 
 --quick (a smoke run for the tests; its numbers are not worth reading): a 3M-token corpus of
 512-token blocks, 8 splits, read batches of 8 rows, a 1 MiB budget, 0.5M tokens per path;
-start-up at 20k and 200k rows. The full default run takes about 20 minutes on 2 CPU cores.
+start-up at 20k and 200k rows; an epoch boundary on 20k rows. The full default run takes about
+20 minutes on 2 CPU cores.
 
-Output: two tables on stdout, JSON at --out ({"machine", "settings", "memory": [...],
-"startup": [...], "complete", "total_s"}; each memory run keeps its RSS trace and lancedb's
+Output: three tables on stdout, JSON at --out ({"machine", "settings", "memory": [...],
+"startup": [...], "boundary": [...], "complete", "total_s"}; each memory run keeps its RSS trace and lancedb's
 counters, machine.loadavg_end shows another user's load) and a PNG of RSS against tokens
 consumed, and of its growth since the first batch, one line per path (default: --out with
 .png). A run that fails is reported, and the others still run; the exit code is then 1.
@@ -115,17 +126,15 @@ from loaders import (FORKSERVER_PRELOAD, MP_CONTEXT, TRAIN_DEFAULTS, Bench, Lanc
 
 FULL = {"corpus_tokens": 100_000_000, "seq_len": 1024, "tokens": 20_000_000, "budget_mb": 16.0,
         "batch_size": 32, "read_batch_size": TRAIN_DEFAULTS.read_batch_size,
-        "startup_rows": "200000,2000000,20000000"}
+        "startup_rows": "200000,2000000,20000000", "boundary_rows": 300_000}
 QUICK = {"corpus_tokens": 3_000_000, "seq_len": 512, "tokens": 500_000, "budget_mb": 1.0,
-         "batch_size": 8, "read_batch_size": 8, "startup_rows": "20000,200000"}
+         "batch_size": 8, "read_batch_size": 8, "startup_rows": "20000,200000", "boundary_rows": 20_000}
 DOC_TOKENS = (200, 1800)  # the memory corpus's document lengths
 STARTUP_DOC_TOKENS = (10, 60)
 MIN_CORPUS_OVER_BUDGET = 10
 PLAIN_MAX_ROWS = 2_000_000  # lancedb's own StreamingDataset: start-up grows with rows x splits
 SAMPLE_S = 0.25
 PSS_EVERY = 4  # samples: PSS costs ~15 ms a process to read
-PERM_MEMORY_ENV = "LANCEDB_PERM_BUILDER_MEMORY_LIMIT"
-PERM_BYTES_PER_ROW = 64
 # (path, bounded, with --workers loader workers); the baselines always have --workers workers
 LANCE_RUNS = [(path, bounded, False) for path in ("lance-docs", "lance-rows", "lance") for bounded in (True, False)] \
     + [("lance-docs", True, True)]
@@ -467,8 +476,9 @@ def own_rss_mib() -> float:
 def startup_child(spec: dict, report: Report) -> None:
     """Time one start-up: the permutation build alone, or make_dataset + the first batch."""
     rss_start = own_rss_mib()
-    if spec["impl"] != "bounded" and PERM_MEMORY_ENV not in os.environ:
-        os.environ[PERM_MEMORY_ENV] = str(max(100 * 2**20, PERM_BYTES_PER_ROW * spec["rows"]))
+    from bounded_streaming import size_permutation_memory
+
+    size_permutation_memory(spec["rows"])  # as train.py does at start-up, for every impl
     table = storage.connect_table(spec["db"], "corpus")
     args = train.parse_args(["--db", spec["db"], "--seq-len", str(spec["seq_len"]),
                              "--batch-size", str(spec["splits"]), *(["--pack"] if spec["path"] == "packed" else [])])
@@ -562,6 +572,89 @@ def print_startup(results: list[dict]) -> None:
             print(f"FAILED {r['name']}: {r['error']}")
 
 
+# ── Part 3: an epoch boundary ────────────────────────────────────────────────────────
+
+def boundary_child(spec: dict, report: Report) -> None:
+    """train.py's own batch path (data.train_batches on the prefetch thread: the next epoch's
+    loader started once this one has asked for all of its rows) over two epochs of rows at
+    spec['rows_per_s']; reports the start-up line's bound, the batch at which the next
+    epoch's start begins, and each epoch's first batch."""
+    mp.set_forkserver_preload(FORKSERVER_PRELOAD)
+    cpu = torch.device("cpu")
+    args = train.parse_args(["--db", spec["db"], "--seq-len", str(spec["seq_len"]), "--epochs", "2",
+                             "--batch-size", str(spec["batch_size"]), "--loader-buffer-mb", str(spec["budget_mb"]),
+                             "--num-workers", str(spec["workers"]), "--read-batch-size", str(spec["read_batch_size"])])
+    num_splits = train.check_args(args, 1)
+    source = data.open_training_data(args, load_tokenizer("byte"), 0, 1, cpu, num_splits, args.batch_size)
+    report("ready", line=data.read_ahead_line(args), **tree_memory(os.getpid()))
+    rows, t_first, epoch_seen, overlap = 0, None, -1, False
+    with data.prefetched(data.train_batches(args, source, 0, 1, cpu, num_splits, 0, None), cpu) as batches:
+        for epoch, position, batch in batches:
+            rows += batch["input_ids"].shape[0]
+            now = time.monotonic()
+            if t_first is None:
+                t_first = now
+            if epoch != epoch_seen:
+                epoch_seen = epoch
+                report("epoch", epoch=epoch, rows=rows)
+            if not overlap and epoch == 0 and position.dataset.unscanned_rows == 0:  # train_batches' signal
+                overlap = True
+                report("overlap", rows=rows)
+            pause = t_first + rows / spec["rows_per_s"] - time.monotonic()
+            if pause > 0:
+                time.sleep(pause)
+    report("end", rows=rows)
+
+
+def boundary_result(spec: dict, lines: list[dict], exitcode, samples: list[dict]) -> dict:
+    """Peak RSS of the tree before the overlap and during it (from the next epoch's start to
+    the end of the run), above the tree at the first batch, beside the budget."""
+    result = {k: spec[k] for k in ("name", "workers", "budget_mb", "rows", "rows_per_s")}
+    error = child_error(lines, exitcode)
+    by = {r["event"]: r for r in lines}
+    if error or not {"ready", "overlap", "end"} <= set(by):
+        result["error"] = error or f"no epoch boundary seen (events: {sorted(by)})"
+        return result
+    first = next(r["t"] for r in lines if r["event"] == "epoch")
+    steady = [m["rss_mib"] for m in samples if first <= m["t"] < by["overlap"]["t"]]
+    during = [m for m in samples if by["overlap"]["t"] <= m["t"] <= by["end"]["t"]]
+    base = min((m for m in samples if m["t"] >= first), key=lambda m: m["t"], default=None)
+    if not steady or not during or base is None:
+        result["error"] = "too few RSS samples around the boundary: raise --boundary-rows"
+        return result
+    peak = max(during, key=lambda m: m["rss_mib"])
+    pss = [m["pss_mib"] for m in during if m["pss_mib"] is not None]
+    steady_pss = [m["pss_mib"] for m in samples if first <= m["t"] < by["overlap"]["t"] and m["pss_mib"] is not None]
+    result.update(steady_peak_pss_mib=round(max(steady_pss), 1) if steady_pss else None,
+                  overlap_peak_pss_mib=round(max(pss), 1) if pss else None)
+    result.update(line=by["ready"]["line"], first_batch_rss_mib=round(base["rss_mib"], 1),
+                  steady_peak_rss_mib=round(max(steady), 1), overlap_peak_rss_mib=round(peak["rss_mib"], 1),
+                  steady_above_first_mib=round(max(steady) - base["rss_mib"], 1),
+                  overlap_above_first_mib=round(peak["rss_mib"] - base["rss_mib"], 1),
+                  processes_steady=max(m["processes"] for m in samples if first <= m["t"] < by["overlap"]["t"]),
+                  processes_overlap=peak["processes"],
+                  overlap_s=round(next(r["t"] for r in lines if r["event"] == "epoch" and r["epoch"] == 1)
+                                  - by["overlap"]["t"], 2))
+    return result
+
+
+def print_boundary(results: list[dict]) -> None:
+    print(f"\n{'epoch boundary':<28}{'budget MiB':>11}{'first RSS':>11}{'steady +MiB':>12}{'overlap +MiB':>13}"
+          f"{'processes':>11}{'overlap s':>10}")
+    for r in results:
+        if "error" in r:
+            print(f"FAILED {r['name']}: {r['error']}")
+            continue
+        print(f"{r['name']:<28}{r['budget_mb']:>11g}{r['first_batch_rss_mib']:>11,.0f}{r['steady_above_first_mib']:>12,.0f}"
+              f"{r['overlap_above_first_mib']:>13,.0f}{r['processes_steady']:>5} -> {r['processes_overlap']:<3}"
+              f"{r['overlap_s']:>8.1f}")
+    print("(+MiB: peak RSS of the tree above its RSS at the first batch, before the next epoch's start and from "
+          "it on; pages the forked workers share count once per process. The start-up lines state:")
+    for r in results:
+        if "line" in r:
+            print(f"  {r['name']}: {r['line']}")
+
+
 # ── Corpora ──────────────────────────────────────────────────────────────────────────
 
 def made(work: str, name: str, params: dict, make) -> str:
@@ -635,7 +728,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--startup-rows", help=f"comma-separated table sizes (default {FULL['startup_rows']})")
     p.add_argument("--startup-splits", default="8,32", help="comma-separated split counts (default 8,32)")
     p.add_argument("--skip-memory", action="store_true", help="only the start-up part")
-    p.add_argument("--skip-startup", action="store_true", help="only the memory part")
+    p.add_argument("--skip-startup", action="store_true", help="leave out the start-up part")
+    p.add_argument("--skip-boundary", action="store_true", help="leave out the epoch-boundary part")
+    p.add_argument("--boundary-rows", type=int, help=f"documents of the epoch-boundary corpus "
+                                                     f"(default {FULL['boundary_rows']:,})")
+    p.add_argument("--boundary-budget-mb", type=float, default=4.0,
+                   help="--loader-buffer-mb of the epoch-boundary runs (default 4)")
+    p.add_argument("--boundary-rows-per-s", type=int, default=15_000,
+                   help="the epoch-boundary consumer's pace in rows (default 15,000)")
     opts = p.parse_args(argv)
     vars(opts).update({k: v for k, v in (QUICK if opts.quick else FULL).items() if getattr(opts, k) is None})
     opts.png = opts.png or os.path.splitext(opts.out)[0] + ".png"
@@ -658,8 +758,8 @@ def check_opts(opts) -> None:
                         f"each loader worker owns whole splits")
     opts.startup_rows = int_list("--startup-rows", opts.startup_rows)
     opts.startup_splits = int_list("--startup-splits", opts.startup_splits)
-    if opts.skip_memory and opts.skip_startup:
-        raise UserError("--skip-memory and --skip-startup together leave nothing to run")
+    if opts.skip_memory and opts.skip_startup and opts.skip_boundary:
+        raise UserError("--skip-memory, --skip-startup and --skip-boundary together leave nothing to run")
     for flag, path in (("--out", opts.out), ("--png", opts.png)):
         check_out_dir(flag, path)
     if opts.work and os.path.exists(opts.work) and not os.path.isdir(opts.work):
@@ -697,14 +797,16 @@ def bench_main(opts) -> int:
     mp.set_forkserver_preload(["loaders"])
     settings = {k: getattr(opts, k) for k in (
         "quick", "corpus_tokens", "seq_len", "tokens", "tokens_per_s", "budget_mb", "batch_size",
-        "read_batch_size", "workers", "startup_rows", "startup_splits")}
+        "read_batch_size", "workers", "startup_rows", "startup_splits", "boundary_rows", "boundary_budget_mb",
+        "boundary_rows_per_s")}
     settings.update(io_queue_depth=TRAIN_DEFAULTS.io_queue_depth, doc_tokens=DOC_TOKENS,
                     transform_parallelism=TRAIN_DEFAULTS.transform_parallelism,
                     startup_doc_tokens=STARTUP_DOC_TOKENS, plain_lancedb_max_rows=PLAIN_MAX_ROWS,
                     corpus_mib=round(opts.corpus_mib, 1), sample_s=SAMPLE_S,
                     floor_rows=2 * opts.batch_size * opts.read_batch_size,
                     tokens_counted="batch positions (seq_len per row or block, pads included)")
-    data = {"machine": machine, "settings": settings, "memory": [], "startup": [], "complete": False}
+    data = {"machine": machine, "settings": settings, "memory": [], "startup": [], "boundary": [],
+            "complete": False}
     print(f"{machine['cpu']}, {machine['affinity']} cores, {machine['ram_gib']} GiB; work dir {opts.work}",
           flush=True)
 
@@ -760,6 +862,22 @@ def bench_main(opts) -> int:
                         flush=True)
                     save()
             print_startup(data["startup"])
+        if not opts.skip_boundary:
+            db = startup_corpus(opts, opts.boundary_rows)
+            for workers in (0, opts.workers):
+                spec = {"name": f"rows, {workers} workers", "db": db, "workers": workers, "rows": opts.boundary_rows,
+                        "budget_mb": opts.boundary_budget_mb, "rows_per_s": opts.boundary_rows_per_s,
+                        "seq_len": 64, "batch_size": opts.batch_size, "read_batch_size": opts.read_batch_size}
+                report, begun = os.path.join(opts.work, "report.jsonl"), time.perf_counter()
+                result = boundary_result(spec, *run_child(ctx, boundary_child, spec, report, 900, sample=True))
+                result["wall_s"] = round(time.perf_counter() - begun, 1)
+                data["boundary"].append(result)
+                print(f"{spec['name']} across an epoch boundary ({result['wall_s']:.0f} s): " + (
+                      f"FAILED: {result['error']}" if "error" in result else
+                      f"+{result['steady_above_first_mib']:,.0f} MiB before it, +{result['overlap_above_first_mib']:,.0f} "
+                      f"MiB during it"), flush=True)
+                save()
+            print_boundary(data["boundary"])
         data["complete"] = True
         save()
     finally:
@@ -767,7 +885,7 @@ def bench_main(opts) -> int:
             shutil.rmtree(opts.work, ignore_errors=True)
     print(f"\nwrote {opts.out}" + ("" if opts.skip_memory else f" and {opts.png}")
           + f" in {time.perf_counter() - started:.0f} s")
-    failed = [r["name"] for r in data["memory"] + data["startup"] if "error" in r]
+    failed = [r["name"] for r in data["memory"] + data["startup"] + data["boundary"] if "error" in r]
     if failed:
         print(f"{len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0

@@ -76,9 +76,20 @@ def test_startup_covers_sizes_splits_and_paths(quick):
     assert "bounded first s" in proc.stdout
 
 
+def test_an_epoch_boundary_is_measured_beside_the_stated_bound(quick):
+    proc, data, _ = quick
+    assert [r["workers"] for r in data["boundary"]] == [0, 2]
+    for r in data["boundary"]:
+        assert "error" not in r, r
+        assert r["overlap_peak_rss_mib"] >= r["first_batch_rss_mib"] > 0 and r["overlap_s"] >= 0, r
+        assert "while one epoch drains and the next starts" in r["line"], r
+    assert data["boundary"][1]["processes_overlap"] > data["boundary"][0]["processes_overlap"]
+    assert "epoch boundary" in proc.stdout
+
+
 @pytest.mark.parametrize("args,fragment", [
     (["--budget-mb", "2"], "must be at least 10x --budget-mb"),
-    (["--skip-memory", "--skip-startup"], "leave nothing to run"),
+    (["--skip-memory", "--skip-startup", "--skip-boundary"], "leave nothing to run"),
     (["--nope"], "unrecognized arguments"),
 ])
 def test_usage_mistakes_are_one_line_errors(tmp_path, args, fragment):
