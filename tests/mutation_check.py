@@ -1,8 +1,8 @@
 """Do the tests still catch the bugs that matter? Apply named one-line bugs, one at a time, to
 a copy of the tree and run the tests meant to catch each; report which fail (catch it) and
 how long each took to fail. Not part of the default test command: it runs the slow
-multi-rank tests once per bug (7.7 minutes for the 17 bugs on 2 cores, and about as long
-again for the baseline).
+multi-rank tests once per bug (7.7 minutes for the first 17 bugs on 2 cores, and about as long
+again for the baseline; the three added since, about a minute).
 
     python tests/mutation_check.py                     # every bug, then a baseline run
     python tests/mutation_check.py --only ddp-never-syncs --json /tmp/mutations.json
@@ -110,6 +110,19 @@ MUTATIONS = (
              "VAL_FILTER = \"split = 'val'\"",
              "VAL_FILTER = \"split = 'train'\"",
              ("tests/test_train_filter.py::test_evaluation_reads_validation_rows_only",)),
+    Mutation("evals-recompile", "the loop's evals run on the compiled module, which recompiles for eval mode "
+             "and no-grad (blind before: the warm interpreter's TORCH_LOGS was the server's)", "train.py",
+             "            val = validate(run, state, model)",
+             "            val = validate(run, state, trainable)",
+             ("tests/test_train.py::test_compiled_run_does_not_recompile_for_checkpoints_or_evals",)),
+    Mutation("tok-s-without-accumulation", "tok/s leaves out --grad-accum's micro-steps", "train.py",
+             "        tps = steps * args.batch_size * run.world_size * args.grad_accum * args.seq_len / elapsed",
+             "        tps = steps * args.batch_size * run.world_size * args.seq_len / elapsed",
+             ("tests/test_figures.py::test_tokens_per_s_is_the_samples_over_the_wall_clock",)),
+    Mutation("tokens-seen-counts-pads", "tokens_seen counts every position, pads included", "train.py",
+             "        return trainable(input_ids, mask, doc_ids), mask.sum()",
+             "        return trainable(input_ids, mask, doc_ids), torch.ones_like(mask).sum()",
+             ("tests/test_figures.py::test_tokens_seen_is_the_real_tokens_of_the_traced_samples",)),
 )
 
 
