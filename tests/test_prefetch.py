@@ -293,3 +293,15 @@ def test_num_workers_auto_follows_the_cores_a_rank_has(monkeypatch, cores, local
 def test_the_start_up_line_says_what_auto_chose(smoke_run):
     proc, _ = smoke_run
     assert "num_workers=0 (auto: 0, the transform is numpy (no --pack))" in proc.stdout, proc.stdout
+
+
+def test_loader_workers_start_in_a_directory_that_has_a_data_folder(demo_db, tmp_path):
+    """Python's forkserver starts in the working directory without the parent's sys.path, so
+    a ./data folder (ML projects have one) hid data.py from the loader workers, which died
+    on an ImportError; train.py puts its own directory on their path at start-up."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "corpus.jsonl").write_text("{}\n")
+    proc = run_script("train.py", "--db", demo_db, "--model", "tiny", "--seq-len", "64", "--batch-size", "8",
+                      "--steps", "3", "--num-workers", "2", "--ckpt-dir", tmp_path / "ck", cwd=tmp_path, cold=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip().splitlines()[-1].startswith("final: opt_step=3 ")
