@@ -41,6 +41,7 @@ import resource
 import signal
 import socket
 import sys
+import warnings
 from collections import Counter, deque
 from typing import Iterable, Iterator
 
@@ -168,11 +169,17 @@ def connect(address: str) -> bool:
     kwargs = dict(logging_level=logging.ERROR, log_to_driver=False, include_dashboard=False,
                   configure_logging=True)
     try:
-        if address == LOCAL:
-            ray.init(**kwargs)
-        else:
-            reachable(address)
-            ray.init(address=address, **kwargs)
+        with warnings.catch_warnings():
+            # Ray starts its processes with a preexec_fn, so Python runs the fork hooks by which
+            # lance and lancedb warn that they are not fork-safe; each child execs a fresh
+            # program at once and uses nothing of theirs.
+            warnings.filterwarnings("ignore", message=r"lance is not fork-safe")
+            warnings.filterwarnings("ignore", message=r"lancedb fork support is experimental")
+            if address == LOCAL:
+                ray.init(**kwargs)
+            else:
+                reachable(address)
+                ray.init(address=address, **kwargs)
     except (ConnectionError, ValueError, RuntimeError, TimeoutError, OSError) as e:
         ray.shutdown()
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

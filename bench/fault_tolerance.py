@@ -50,7 +50,7 @@ sys.path.insert(0, REPO)  # bench/ is not a package: import the project's module
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import ArgumentParser, UserError, synthetic_corpus  # noqa: E402
-from loader_memory import int_list, kill_tree, process_tree, tree_memory  # noqa: E402
+from loader_memory import int_list, kill_tree, name_list, process_tree, tree_memory  # noqa: E402
 from loaders import machine_info, write_json  # noqa: E402
 from preemption import is_running  # noqa: E402
 
@@ -211,10 +211,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if opts.quick:
         opts.rows, opts.settings, opts.repeats = "20000", "fast", 1
     opts.rows = int_list("--rows", opts.rows)
-    opts.settings = [s.strip() for s in opts.settings.split(",") if s.strip()]
-    unknown = [s for s in opts.settings if s not in SETTINGS]
-    if unknown or not opts.settings:
-        raise UserError(f"--settings takes {', '.join(SETTINGS)} (got {unknown or 'none'})")
+    opts.settings = name_list("--settings", opts.settings, SETTINGS)
     if opts.repeats < 1:
         raise UserError(f"--repeats must be at least 1 (got {opts.repeats})")
     return opts

@@ -80,7 +80,7 @@ overlapped, beside the bound the start-up line states.
 
 --quick (a smoke run for the tests; its numbers are not worth reading): a 3M-token corpus of
 512-token blocks, 8 splits, read batches of 8 rows, a 1 MiB budget, 0.5M tokens per path;
-start-up at 20k and 200k rows; an epoch boundary on 20k rows. The full default run takes about
+start-up at 20k and 200k rows; an epoch boundary on 8k rows, a 0.25 MiB budget, 4,000 rows/s. The full default run takes about
 20 minutes on 2 CPU cores.
 
 Output: three tables on stdout, JSON at --out ({"machine", "settings", "memory": [...],
@@ -126,9 +126,11 @@ from loaders import (FORKSERVER_PRELOAD, MP_CONTEXT, TRAIN_DEFAULTS, Bench, Lanc
 
 FULL = {"corpus_tokens": 100_000_000, "seq_len": 1024, "tokens": 20_000_000, "budget_mb": 16.0,
         "batch_size": 32, "read_batch_size": TRAIN_DEFAULTS.read_batch_size,
-        "startup_rows": "200000,2000000,20000000", "boundary_rows": 300_000}
+        "startup_rows": "200000,2000000,20000000", "boundary_rows": 300_000,
+        "boundary_budget_mb": 4.0, "boundary_rows_per_s": 15_000}
 QUICK = {"corpus_tokens": 3_000_000, "seq_len": 512, "tokens": 500_000, "budget_mb": 1.0,
-         "batch_size": 8, "read_batch_size": 8, "startup_rows": "20000,200000", "boundary_rows": 20_000}
+         "batch_size": 8, "read_batch_size": 8, "startup_rows": "20000,200000", "boundary_rows": 8_000,
+         "boundary_budget_mb": 0.25, "boundary_rows_per_s": 4_000}
 DOC_TOKENS = (200, 1800)  # the memory corpus's document lengths
 STARTUP_DOC_TOKENS = (10, 60)
 MIN_CORPUS_OVER_BUDGET = 10
@@ -708,6 +710,15 @@ def int_list(flag: str, text: str) -> list[int]:
     return values
 
 
+def name_list(flag: str, text: str, known) -> list[str]:
+    """A comma-separated choice of `known` names (at least one)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise UserError(f"{flag} takes {', '.join(known)} (got {unknown or 'none'})")
+    return names
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="results JSON")
@@ -732,10 +743,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-boundary", action="store_true", help="leave out the epoch-boundary part")
     p.add_argument("--boundary-rows", type=int, help=f"documents of the epoch-boundary corpus "
                                                      f"(default {FULL['boundary_rows']:,})")
-    p.add_argument("--boundary-budget-mb", type=float, default=4.0,
-                   help="--loader-buffer-mb of the epoch-boundary runs (default 4)")
-    p.add_argument("--boundary-rows-per-s", type=int, default=15_000,
-                   help="the epoch-boundary consumer's pace in rows (default 15,000)")
+    p.add_argument("--boundary-budget-mb", type=float,
+                   help=f"--loader-buffer-mb of the epoch-boundary runs (default {FULL['boundary_budget_mb']:g})")
+    p.add_argument("--boundary-rows-per-s", type=int,
+                   help=f"the epoch-boundary consumer's pace in rows (default {FULL['boundary_rows_per_s']:,})")
     opts = p.parse_args(argv)
     vars(opts).update({k: v for k, v in (QUICK if opts.quick else FULL).items() if getattr(opts, k) is None})
     opts.png = opts.png or os.path.splitext(opts.out)[0] + ".png"
@@ -747,12 +758,15 @@ def check_opts(opts) -> None:
     for flag, value, low in (("--corpus-tokens", opts.corpus_tokens, 1), ("--seq-len", opts.seq_len, 2),
                              ("--tokens", opts.tokens, 1), ("--tokens-per-s", opts.tokens_per_s, 1),
                              ("--batch-size", opts.batch_size, 1), ("--read-batch-size", opts.read_batch_size, 1),
-                             ("--workers", opts.workers, 1)):
+                             ("--workers", opts.workers, 1), ("--boundary-rows", opts.boundary_rows, 1),
+                             ("--boundary-rows-per-s", opts.boundary_rows_per_s, 1)):
         if value < low:
             raise UserError(f"{flag} must be at least {low} (got {value})")
     if not (math.isfinite(opts.budget_mb) and opts.budget_mb > 0):
         raise UserError(f"--budget-mb must be a positive number (got {opts.budget_mb}); the unbounded "
                         f"runs come with every bounded one")
+    if not (math.isfinite(opts.boundary_budget_mb) and opts.boundary_budget_mb > 0):
+        raise UserError(f"--boundary-budget-mb must be a positive number (got {opts.boundary_budget_mb})")
     if opts.batch_size % opts.workers:
         raise UserError(f"--batch-size ({opts.batch_size}) must be a multiple of --workers ({opts.workers}): "
                         f"each loader worker owns whole splits")

@@ -34,7 +34,6 @@ vote; see README "Preemption"):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import re
@@ -53,6 +52,7 @@ sys.path.insert(0, REPO)  # bench/ is not a package: import the project's module
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import ArgumentParser, UserError, synthetic_corpus  # noqa: E402
+from loader_memory import name_list  # noqa: E402
 from loaders import machine_info, write_json  # noqa: E402
 
 DEFAULT_OUT = os.path.join(REPO, "bench", "results", "stop_timing.json")
@@ -237,15 +237,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated: {', '.join(CASES)}")
     p.add_argument("--trials", type=int, default=5, help="stops per case, each at a random moment")
     p.add_argument("--seed", type=int, default=0, help="seed of the random moments")
-    p.add_argument("--quick", action="store_true", help="one trial of epoch-start-workers")
+    p.add_argument("--quick", action="store_true", help="one trial of epoch-end (a smoke run)")
     p.add_argument("--out", default=DEFAULT_OUT, help="results JSON")
     opts = p.parse_args(argv)
     if opts.quick:
-        opts.cases, opts.trials = "epoch-start-workers", 1
-    opts.cases = [c.strip() for c in opts.cases.split(",") if c.strip()]
-    unknown = [c for c in opts.cases if c not in CASES]
-    if unknown or not opts.cases:
-        raise UserError(f"--cases takes {', '.join(CASES)} (got {unknown or 'none'})")
+        opts.cases, opts.trials = "epoch-end", 1
+    opts.cases = name_list("--cases", opts.cases, CASES)
     if opts.trials < 1:
         raise UserError(f"--trials must be at least 1 (got {opts.trials})")
     return opts

@@ -147,3 +147,21 @@ def test_fault_tolerance_quick_times_every_part_of_a_node_loss(tmp_path):
     assert all(p > 0 for p in parts) and math.isclose(sum(parts), loss["total_s"], rel_tol=1e-6), loss
     assert loss["resumed_step"] == loss["checkpoint_at_loss"] >= 5 and loss["survivor_peak_rss_mib"] > 100, loss
     assert not list(work.glob("ft-bench-*")) and "wrote " in proc.stdout  # its tables and nodes' files removed
+
+
+def test_stop_timing_quick_times_a_stop(tmp_path):
+    """bench/stop_timing.py --quick: one SIGTERM at a random moment of a run of 8-step epochs;
+    the times from the signal to the checkpoint and to the exit, and what the run left behind
+    (the case with workers is held to its bound in tests/test_preemption.py)."""
+    out = tmp_path / "stop.json"
+    work = tmp_path / "tmp"  # the bench's temp dirs: cold, so that TMPDIR is read afresh
+    work.mkdir()
+    proc = run_script("bench/stop_timing.py", "--quick", "--out", out, cwd=tmp_path, timeout=300,
+                      env={"TMPDIR": str(work)}, cold=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [result] = json.loads(out.read_text())["results"]
+    [trial] = result["runs"]
+    assert result["case"] == "epoch-end" and trial["exit_code"] == 0, trial
+    assert 0 < trial["saved_s"] <= trial["exit_s"] and trial["bound_s"] > 1 and trial["save_s"] >= 0, trial
+    assert trial["left_after_linger"] == [], trial
+    assert not list(work.glob("stop-bench-*")) and "wrote " in proc.stdout

@@ -220,7 +220,7 @@ def test_a_stop_while_the_next_epochs_workers_start_is_saved_within_a_step(short
     try:
         steps_at = []  # when each optimizer step was first seen traced: the step time
         deadline = time.monotonic() + 180
-        while len(steps_at) < 12:
+        while len(steps_at) < 7:
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             traced = len(read_trace(trace).get(0, [])) if trace.is_dir() else 0
             steps_at += [time.monotonic()] * (traced - len(steps_at))
@@ -290,8 +290,7 @@ STARTUP_MOMENTS = {  # when to press Ctrl-C: a condition on the run's age, proce
     "importing": lambda age, tree, steps: age >= 0.5,  # past the interpreter's own start: importing torch
     "first child starting": lambda age, tree, steps: len(tree) >= 2,  # the forkserver (or tracker) importing
     "workers starting": lambda age, tree, steps: len(tree) >= 4,  # loader workers forked, unpickling
-    "training": lambda age, tree, steps: steps >= 1,
-}
+}  # once training: test_a_stop_signal_ends_a_single_process_run_with_exit_0[Ctrl-C]
 
 
 @pytest.mark.parametrize("moment", STARTUP_MOMENTS)

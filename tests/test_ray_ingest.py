@@ -209,6 +209,30 @@ def test_local_ray_leaves_no_process(tmp_path):
                       "--batch-size", 7, cwd=REPO, env={"RAY_TMPDIR": marker,
                                                        "RAY_object_store_memory": str(OBJECT_STORE)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "fork" not in proc.stderr, proc.stderr  # lance's fork warnings, from Ray's process starts
     assert re.search(r"Ray: 1 node, \d+ CPUs, 1 dedup shard,", proc.stdout), proc.stdout
     assert table_of(tmp_path / "db").to_arrow().equals(table_of(tmp_path / "local").to_arrow())
     assert not wait_gone(pids_mentioning(marker), timeout=20)
+
+
+@pytest.mark.parametrize("moment", ["importing", "Ray starting"])
+def test_ctrl_c_during_a_local_rays_start_up_is_one_line(tmp_path, moment):
+    """A terminal's Ctrl-C (the whole process group) while prepare_data.py imports, or while
+    --ray local starts its Ray: one line, exit 130, no traceback, no Ray process left."""
+    source = write_jsonl(tmp_path / "a.jsonl", [{"text": prose(i)} for i in range(2000)])
+    marker = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # named by this run's Ray processes
+    proc = subprocess.Popen([sys.executable, "prepare_data.py", str(source), "--db", str(tmp_path / "db"), "--ray",
+                             "local", "--batch-size", "10"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, preexec_fn=sigint_at_default,
+                            env={**os.environ, "RAY_TMPDIR": marker, "RAY_object_store_memory": str(OBJECT_STORE)})
+    started = time.monotonic()
+    while not (time.monotonic() - started >= 0.5 if moment == "importing" else pids_mentioning(marker)):
+        assert proc.poll() is None and time.monotonic() - started < 120, proc.communicate()
+        time.sleep(0.005)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, (proc.returncode, err)
+    assert err.strip().splitlines() in (["interrupted while starting: nothing was written"],
+                                        ["interrupted: the table is as it was"]), err
+    assert not wait_gone(pids_mentioning(marker), timeout=20)
+    assert not (tmp_path / "db").exists() or lancedb.connect(str(tmp_path / "db")).table_names() == []

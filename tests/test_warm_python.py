@@ -123,15 +123,12 @@ print("parent", os.getppid())
 CHANGES = {
     "TORCH_LOGS": lambda env: {**env, "TORCH_LOGS": "recompiles"},
     "PYTHONHASHSEED": lambda env: {**env, "PYTHONHASHSEED": "7"},
-    "-B": lambda env: {k: v for k, v in env.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    if "PYTHONDONTWRITEBYTECODE" in env else {**env, "PYTHONDONTWRITEBYTECODE": "1"},
 }
 
 
 @pytest.mark.parametrize("change", CHANGES.values(), ids=CHANGES.keys())
 def test_a_run_whose_import_time_environment_is_not_the_servers_starts_cold(warm, tmp_path, change):
-    """TORCH_LOGS, PYTHONHASHSEED, -B's variable: read when torch is imported or the interpreter
-    starts, so in a fork the server's values would hold. Such a run starts cold (its parent
+    """TORCH_LOGS, PYTHONHASHSEED: read when torch is imported or the interpreter starts, so in a fork the server's values would hold. Such a run starts cold (its parent
     is then this process: the client exec'ed the interpreter) and sees its own; a run with
     the server's values is forked (its parent is the server)."""
     script = tmp_path / "probe.py"
