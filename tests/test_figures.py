@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow  # trains in processes of its own: `-m "not slow"`
 STEPS, LOG_EVERY, SEQ_LEN = 15, 3, 64
 LOG = re.compile(r"^epoch \d+ step (\d+)/\d+ \| loss ([\d.]+) \| ([\d,]+) tok/s \| mfu (\S+) .*"
                  r"\| data_wait ([\d.]+)% \|")
-CLOCK_NOISE = 0.15  # a log line's print against its arrival here, over intervals of ~0.5 s
+CLOCK_NOISE = 0.3  # a log line's print against its arrival here, over ~0.5 s, on a busy 2-core CI machine (17% seen)
 
 
 @pytest.fixture(scope="module")
