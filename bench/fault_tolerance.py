@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import ArgumentParser, UserError, synthetic_corpus  # noqa: E402
 from loader_memory import int_list, kill_tree, name_list, process_tree, tree_memory  # noqa: E402
-from loaders import machine_info, write_json  # noqa: E402
+from loaders import machine_info, options_or_exit, write_json  # noqa: E402
 from preemption import is_running  # noqa: E402
 
 DEFAULT_OUT = os.path.join(REPO, "bench", "results", "fault_tolerance.json")
@@ -218,11 +218,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> None:
-    try:
-        opts = parse_args(argv)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    opts = options_or_exit(parse_args, argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stopped bench kills its nodes on the way out
     work = opts.work or tempfile.mkdtemp(prefix="ft-bench-tables-")
     results = []

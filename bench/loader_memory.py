@@ -193,7 +193,12 @@ def tree_memory(root: int, pss: bool = False) -> dict:
 
 
 def kill_tree(root: int) -> None:
-    for pid in process_tree(root):
+    kill_all(process_tree(root))
+
+
+def kill_all(pids: list[int]) -> None:
+    """SIGKILL each of `pids` that is still there."""
+    for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -802,11 +807,10 @@ def bench_main(opts) -> int:
     opts.work = os.path.abspath(work)
     os.makedirs(opts.work, exist_ok=True)
     # Every child forks from a forkserver that has imported torch and the project once; not
-    # lancedb, whose import starts an event-loop thread that a fork would leave behind. A
-    # forkserver imports its preload with a bare interpreter's sys.path, and silently skips
-    # what it cannot find: put the project and bench/ on it (for the children's own loader
-    # workers' forkserver too).
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, BENCH, os.environ.get("PYTHONPATH")]))
+    # lancedb, whose import starts an event-loop thread that a fork would leave behind. The
+    # project and bench/ go on the forkserver's path as train.py puts the project there (for
+    # the children's own loader workers' forkserver too).
+    train.project_on_workers_path(BENCH)
     ctx = mp.get_context(MP_CONTEXT)
     mp.set_forkserver_preload(["loaders"])
     settings = {k: getattr(opts, k) for k in (

@@ -485,6 +485,15 @@ def draw(results: list[dict], machine: dict, opts, path: str) -> None:
     plt.close(fig)
 
 
+def options_or_exit(parse_args, argv):
+    """A bench's options; a usage mistake ends it in one line, exit 2."""
+    try:
+        return parse_args(argv)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 def write_json(path: str, results: dict) -> None:
     """A bench's JSON through common.atomic_write: complete or absent."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -52,8 +52,8 @@ sys.path.insert(0, REPO)  # bench/ is not a package: import the project's module
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import ArgumentParser, UserError, synthetic_corpus  # noqa: E402
-from loader_memory import name_list  # noqa: E402
-from loaders import machine_info, write_json  # noqa: E402
+from loader_memory import kill_all, name_list  # noqa: E402
+from loaders import machine_info, options_or_exit, write_json  # noqa: E402
 
 DEFAULT_OUT = os.path.join(REPO, "bench", "results", "stop_timing.json")
 BATCH, SPLITS, SEQ_LEN = 4, 4, 64
@@ -96,14 +96,6 @@ def process_name(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:120] or str(pid)
     except OSError:
         return str(pid)
-
-
-def kill_session(sid: int) -> None:
-    for pid in session_processes(sid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 class Lines:
@@ -173,7 +165,7 @@ def one_trial(db: str, work: str, case: str, rng: random.Random, env: dict, stor
     finally:
         if frozen:
             store.send_signal(signal.SIGCONT)
-        kill_session(proc.pid)
+        kill_all(session_processes(proc.pid))
         proc.wait()
     text = lines.text()
     save_s = float(SAVED.findall(text)[-1][1]) if SAVED.search(text) else None
@@ -249,11 +241,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> None:
-    try:
-        opts = parse_args(argv)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    opts = options_or_exit(parse_args, argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stopped bench kills its runs on the way out
     work = tempfile.mkdtemp(prefix="stop-bench-")
     rng = random.Random(opts.seed)
