@@ -1017,15 +1017,14 @@ def main(argv=None) -> None:
     leave(code, skip_finalizers=finalizers_may_hang(args, code) or prefetch.still_running())
 
 
-def project_on_workers_path() -> None:
-    """This project's directory first on the loader workers' import path, at start-up.
-    Python's forkserver (3.11, 3.12) starts in the working directory and does not take the
-    parent's sys.path, so a ./data folder there (as ML projects have) hid data.py from the
-    workers: they died on an ImportError."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if here not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([here, *paths])
+def project_on_workers_path(*more: str) -> None:
+    """This project's directory (and `more`) first on the loader workers' import path, at
+    start-up. Python's forkserver (3.11, 3.12) starts in the working directory and does not
+    take the parent's sys.path, so a ./data folder there (as ML projects have) hid data.py
+    from the workers: they died on an ImportError (and a preload it cannot find is skipped)."""
+    first = [os.path.dirname(os.path.abspath(__file__)), *more]
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in first]
+    os.environ["PYTHONPATH"] = os.pathsep.join([*first, *paths])
 
 
 def run(args, stop: preemption.StopSignals) -> int:
@@ -1051,10 +1050,10 @@ def run(args, stop: preemption.StopSignals) -> int:
         why = preemption.describe_comm_failure(e) if world_size > 1 else None
         if why is None:  # a bug or a CUDA OOM: its traceback; its pipeline is closed by now, as on every way out
             traceback.print_exc()
-            return 1
-        tell(f"error: rank {rank} lost contact with the other ranks ({why}): one died, or hung for "
-             f"more than --dist-timeout {args.dist_timeout} s; the newest complete checkpoint is "
-             f"intact (--resume auto)")
+        else:
+            tell(f"error: rank {rank} lost contact with the other ranks ({why}): one died, or hung for "
+                 f"more than --dist-timeout {args.dist_timeout} s; the newest complete checkpoint is "
+                 f"intact (--resume auto)")
         code = 1
     if world_size > 1 and code == 0:
         dist.destroy_process_group()
