@@ -15,6 +15,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+# What common.load_hf_tokenizer sets in its process, set for the session before any warm
+# server starts: a test that loads a tokenizer in-process would otherwise leave this process's
+# import-time environment unlike the server's, and every later run would start cold
+# (tests/warm_python.py). Nothing here downloads anyway.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
 
 def readme_command(marker: str) -> str:
     """What follows `marker` on the first line of README.md that holds it."""
