@@ -144,7 +144,7 @@ def init_worker(worker_id: int) -> None:
 
 def prefetched(items, device: torch.device, **options) -> Prefetcher:
     """`items` (train_batches) made ahead on a thread of their own, which owns the loaders
-    and their teardown (prefetch.py; `options`: its stop_waiting, step_items)."""
+    and their teardown (prefetch.py; `options`: its stop_waiting, step_items, gate)."""
     return Prefetcher(items, device, **options)
 
 

@@ -4,7 +4,9 @@ Clusters preempt with a signal and a grace period before SIGKILL (SLURM, Kuberne
 spot instances). `StopSignals` turns SIGTERM / SIGUSR1 (configurable) and a first
 Ctrl-C into a request that the training loop honours at an optimizer-step boundary;
 `StopVote` makes every rank see the request at the same step, so no rank is left
-waiting in a collective for a peer that has gone to write its checkpoint.
+waiting in a collective for a peer that has gone to write its checkpoint; `StepGate` lets
+ranks agree that a step not yet begun will not be, when a stop comes while one of them
+waits for its batches.
 
 `exit_with_parent` asks the kernel for a SIGTERM when the process that launched this
 one dies (torchrun's agent, killed on its own by the OOM killer say), so ranks never
@@ -129,6 +131,18 @@ class StopVote:
             self.copied.record()
         return False
 
+    def agree(self, wish: int) -> int:
+        """A blocking vote, called by every rank at the same point (a step the StepGate held
+        back): the vote in flight is read, and `reason` is the largest wish of both."""
+        if self.world_size == 1:
+            self.reason = max(self.reason, wish)
+            return self.reason
+        self.settle()
+        self.flag.fill_(max(wish, int(self.result.item())))
+        dist.all_reduce(self.flag, op=dist.ReduceOp.MAX)
+        self.reason = int(self.flag.item())
+        return self.reason
+
     def settle(self) -> None:
         """Wait for the vote in flight, if any (before reading it, and before the run's
         other collectives end it)."""
@@ -140,6 +154,64 @@ class StopVote:
             self.pending.wait()
             self.result.copy_(self.flag)
         self.pending = None
+
+
+class StepGate:
+    """Ranks agree, before each optimizer step, whether it begins at all.
+
+    Why: StopVote agrees only after a step, and a step one rank has begun is a collective
+    the others must join. So a rank that waits for its batch (an unreachable store inside
+    its retries, an epoch's workers starting) held every rank to that wait before a stop
+    could be taken, however long it lasted. Now a step begins only once every rank holds
+    its micro-batches: each rank's batch thread counts itself in (`ready`) and the last one
+    in writes GO; a rank still waiting when a stop comes writes HALT (`gives_way`). The
+    first word written wins (the store's compare_set), so every rank reads the same one,
+    and after a HALT no rank has begun the step.
+
+    Through the process group's store: one counter and one word per step, the counter and
+    the wait on the batch thread's own clone of the store (a store client serves one
+    request at a time, and that wait blocks). Keys `forget` removes once no rank can read
+    them again.
+    """
+
+    def __init__(self, first_step: int, world_size: int, rank: int):
+        default = dist.distributed_c10d._get_default_store()
+        self.store = default  # the training thread's: gives_way, abandon
+        self.batch_store = default.clone()  # the batch thread's: ready, forget
+        self.prefix = f"step_gate/{first_step}"
+        self.world_size = world_size
+        self.rank = rank
+
+    def _key(self, step: int, what: str) -> str:
+        return f"{self.prefix}/{step}/{what}"
+
+    def ready(self, step: int) -> bool:
+        """This rank holds step `step`'s micro-batches; wait for the word. True: GO."""
+        if self.batch_store.add(self._key(step, "ready"), 1) == self.world_size:
+            self.batch_store.compare_set(self._key(step, "word"), "", GO)
+        return self.batch_store.get(self._key(step, "word")) == GO
+
+    def gives_way(self, step: int, wish: int) -> bool:
+        """Asked while this rank waits for step `step`'s batches: whether the step is held
+        back, by this rank's stop `wish` (HALT is written unless GO was first) or another's."""
+        word = self._key(step, "word")
+        if wish:
+            return self.store.compare_set(word, "", HALT) == HALT
+        return self.store.check([word]) and self.store.get(word) == HALT
+
+    def abandon(self, step: int) -> None:
+        """This rank leaves before step `step` (its pipeline closes): HALT, unless GO was
+        first, which also ends the batch thread's wait in `ready`."""
+        self.store.compare_set(self._key(step, "word"), "", HALT)
+
+    def forget(self, step: int) -> None:
+        """Remove step `step`'s keys (rank 0, once every rank is past reading them)."""
+        if self.rank == 0 and step >= 0:
+            for what in ("ready", "word"):
+                self.batch_store.delete_key(self._key(step, what))
+
+
+GO, HALT = b"go", b"halt"  # StepGate's words
 
 
 def is_running(pid: int) -> bool:
@@ -172,7 +244,7 @@ def exit_with_parent() -> int | None:
 
 
 # What gloo and NCCL say when a peer is gone or a collective outlives the timeout.
-_COMM_FAILURE = re.compile(r"gloo|nccl|connection (reset|closed|refused)|timed out|timeout|"
+_COMM_FAILURE = re.compile(r"gloo|nccl|connection (reset|closed|refused|was likely closed)|timed out|timeout|"
                            r"pair closure|broken pipe|socket|peer", re.I)
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*")
 

@@ -13,12 +13,15 @@ It is a context manager, and every way out of a run leaves through its `close`: 
 (`TEARDOWN_S`), since the thread may be inside a read that retries an unreachable store or
 an epoch start (a permutation, worker processes) that cannot be interrupted; what has not
 ended by then has its loader worker processes killed. A stop signal does not wait for it:
-the stop's checkpoint is written first (train.py), and a wait for a batch gives way to a
-stop where `stop_waiting` allows (one process: a step boundary needs no vote).
+the stop's checkpoint is written first (train.py), and a wait for a step's batches gives
+way to a stop (`stop_waiting`). With several ranks that takes a `gate`
+(preemption.StepGate): the thread hands over a step's micro-batches only once every rank
+holds its own, so a step no rank has begun can still be called off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import queue
 import signal
@@ -37,7 +40,11 @@ TEARDOWN_S = 5.0
 POLL_S = 0.05
 THREAD_NAME = "batch-prefetch"
 NEXT_EPOCH_THREAD = "next-epoch"  # data.train_batches' thread name prefix
+# Steps of StepGate keys kept behind the newest: a training thread reads a step's word
+# only while its batch thread is at most a queue's worth of steps ahead of it.
+GATE_KEYS_KEPT = DEFAULT_DEPTH + 4
 _DONE = object()
+_HALTED = object()  # the gate called the next step off
 
 
 class _Raised:
@@ -52,13 +59,14 @@ class Prefetcher:
     `depth` items ahead, each batch pinned when `device` is CUDA. close() stops it and the
     loaders under it, from any thread, and waits for them (bounded).
 
-    `stop_waiting`: asked while the consumer waits for an item and has taken a multiple of
-    `step_items` (an optimizer step's micro-batches); when it says so, iteration ends there
-    and `interrupted` is set.
+    `stop_waiting(step)`: asked while the consumer waits for the first item of step `step`
+    (counted from 0; `step_items` micro-batches each); when it says so, iteration ends
+    there and `interrupted` is set. `gate` (several ranks): a StepGate each step's items
+    pass before they are queued; a HALT ends iteration there too.
     """
 
     def __init__(self, items, device: torch.device, depth: int = DEFAULT_DEPTH,
-                 stop_waiting: Callable[[], bool] | None = None, step_items: int = 1):
+                 stop_waiting: Callable[[int], bool] | None = None, step_items: int = 1, gate=None):
         self._items = items
         self._device = device
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
@@ -67,6 +75,10 @@ class Prefetcher:
         self._stop_waiting = stop_waiting
         self._step_items = step_items
         self._taken = 0
+        self._gate = gate
+        self._gate_lock = threading.Lock()  # the thread's next gate against close's abandon
+        self._passed = 0  # steps the gate let through: their items are coming
+        self._halted = False  # the gate called step `_passed` off
         self.interrupted = False
         self._thread = threading.Thread(target=self._produce, name=THREAD_NAME, daemon=True)
         self._thread.start()
@@ -78,7 +90,8 @@ class Prefetcher:
         if self._finished:
             raise StopIteration
         item = self._get()
-        if item is _DONE:
+        if item is _DONE or item is _HALTED:
+            self.interrupted = item is _HALTED
             self._finished = True
             raise StopIteration
         if isinstance(item, _Raised):
@@ -95,8 +108,9 @@ class Prefetcher:
             try:
                 return self._queue.get(timeout=POLL_S)
             except queue.Empty:
-                if self._taken % self._step_items == 0 and self._stop_waiting():
-                    self.interrupted = self._finished = True
+                step, within = divmod(self._taken, self._step_items)
+                if within == 0 and step >= self._passed and self._stop_waiting(step):
+                    self.interrupted = self._finished = self._halted = True
                     raise StopIteration from None
 
     def __enter__(self) -> Prefetcher:
@@ -109,7 +123,14 @@ class Prefetcher:
         """Stop making batches and close the pipeline (its worker processes included), waiting
         at most `timeout` s; then kill the loader workers that are left. Returns whether it all
         ended in time. A KeyboardInterrupt (a second Ctrl-C) kills them at once."""
-        self._stop.set()
+        with self._gate_lock:
+            self._stop.set()
+            if self._gate is not None and not self._halted:
+                # The next step this rank would begin is called off for every rank, so no
+                # peer waits for it (in the gate, or for this rank's batches) once this rank
+                # is gone; it also ends this thread's own wait there.
+                with contextlib.suppress(RuntimeError):  # the store went with a peer: nothing to end
+                    self._gate.abandon(self._passed)
         self._finished = True
         deadline = time.monotonic() + timeout
         try:
@@ -142,6 +163,20 @@ class Prefetcher:
                 continue
         return False
 
+    def _through_gate(self) -> bool:
+        """Wait for every rank to hold this step's items (StepGate.ready); False: HALT, or
+        the pipeline is closing."""
+        with self._gate_lock:
+            if self._stop.is_set():
+                return False
+        step = self._passed
+        if not self._gate.ready(step):
+            self._halted = True
+            return False
+        self._passed += 1
+        self._gate.forget(step - GATE_KEYS_KEPT)
+        return True
+
     def _produce(self) -> None:
         # Ctrl-C blocked on this thread, and so on the next-epoch thread it starts and in every
         # loader process started from them (the forkserver, whose forks keep its mask): a
@@ -152,13 +187,22 @@ class Prefetcher:
         try:  # set_device too: whatever fails here must reach the consumer, which waits on the queue
             if pin:
                 torch.cuda.set_device(self._device)
+            step_items = []
             for epoch, position, batch in self._items:
                 if pin:
                     batch = {key: value.pin_memory() for key, value in batch.items()}
-                if not self._put((epoch, position, batch)):
+                step_items.append((epoch, position, batch))
+                if self._gate is not None and len(step_items) < self._step_items:
+                    continue
+                if self._gate is not None and not self._through_gate():
+                    self._put(_HALTED)
                     break
+                if not all(self._put(item) for item in step_items):
+                    break
+                step_items.clear()
             else:
-                self._put(_DONE)
+                if all(self._put(item) for item in step_items):
+                    self._put(_DONE)
         except BaseException as e:  # noqa: BLE001 - every error belongs to the training thread
             self._put(_Raised(e))
         finally:

@@ -293,6 +293,10 @@ def add_observability_flags(g) -> None:
                    help="rank 0 writes the metrics file's scalars to DIR as TensorBoard event files, "
                    "keyed by optimizer step (view with `tensorboard --logdir DIR`); a resumed run "
                    "continues the curves, a fresh run into the same DIR replaces them")
+    g.add_argument("--peak-tflops", type=float, default=0.0, metavar="T",
+                   help="the dense peak of one device, in TFLOPS, that MFU divides by (default: the "
+                   "bf16 datasheet figure for the GPUs train.PEAK_BF16_FLOPS lists; a device not "
+                   "listed, the CPU included, has no MFU unless this gives it)")
     g.add_argument("--loader-free", type=int, default=0, metavar="N",
                    help="benchmark the training step alone: draw N micro-batches once, keep them on the "
                    "device and cycle over them, so no loader runs in the loop (bench/gpu_check.py's "
@@ -325,7 +329,8 @@ def check_args(args, world_size: int) -> int:
                         ("--lr-total-steps", args.lr_total_steps), ("--keep-last", args.keep_last),
                         ("--transform-queue-depth", args.transform_queue_depth),
                         ("--loader-buffer-mb", args.loader_buffer_mb), ("--loader-free", args.loader_free),
-                        ("--random-ids", args.random_ids), ("--global-batch-size", args.global_batch_size)):
+                        ("--random-ids", args.random_ids), ("--global-batch-size", args.global_batch_size),
+                        ("--peak-tflops", args.peak_tflops)):
         if value < 0:
             raise UserError(f"{flag} must not be negative (got {value})")
     args.grad_accum = derived_grad_accum(args, world_size)
@@ -487,8 +492,11 @@ def flops_per_token(model) -> float:
     return 6 * model.num_params() + 12 * cfg.n_layer * cfg.d_model * cfg.seq_len
 
 
-def peak_flops(device: torch.device) -> tuple[float | None, str]:
-    """This device's dense bf16 peak (None where unknown, the CPU included) and what it is."""
+def peak_flops(device: torch.device, given_tflops: float = 0.0) -> tuple[float | None, str]:
+    """This device's dense peak (--peak-tflops, else its bf16 datasheet figure; None where
+    unknown, the CPU included) and what it is."""
+    if given_tflops:
+        return given_tflops * 1e12, f"{given_tflops:,g} TFLOPS peak per device (--peak-tflops)"
     if device.type != "cuda":
         return None, f"n/a on {device.type}"
     name = torch.cuda.get_device_name(device)
@@ -644,7 +652,7 @@ def train_locked(args, rank: int, world_size: int, device: torch.device, num_spl
         if world_size > 1 else compiled
 
     horizon = total_steps(args, data)
-    peak, peak_note = peak_flops(device)
+    peak, peak_note = peak_flops(device, args.peak_tflops)
     announce(args, data, horizon, peak_note)
     metrics = open_metrics(args, rank, world_size, model, resumed_step=state.opt_step, resumed=ckpt is not None)
     run = Run(args, rank, world_size, device, tok, data, config, num_splits, horizon, flops_per_token(model),
@@ -821,8 +829,8 @@ def train_loop(run: Run, state: TrainState, model, trainable, opt, source,
             break
         if args.steps and state.opt_step >= args.steps:
             break
-    if getattr(source, "interrupted", False):  # a stop came while waiting for a step's first batch
-        vote.stop_now(stop.wish)
+    if getattr(source, "interrupted", False):  # a step called off before any rank began it
+        vote.agree(stop.wish if stop else 0)
     vote.settle()
     return vote.reason, last
 
@@ -833,9 +841,10 @@ def batch_pipeline(run: Run, state: TrainState, loader_state, stop: preemption.S
     way: made ahead on a thread that owns the loaders (prefetch.Prefetcher, whose close is
     bounded), or --loader-free's pool kept on the device; none once --steps is reached.
 
-    On one process a stop that comes while the loop waits for a step's first batch (an
-    unreachable store retrying, an epoch's workers starting) ends the wait: that step is
-    not begun. Ranks agree on a step only through the vote, after a step, so they wait.
+    A stop that comes while the loop waits for a step's batches (an unreachable store
+    retrying, an epoch's workers starting) ends the wait: that step is not begun. With
+    several ranks a StepGate makes that hold for all of them, whichever rank waits and
+    whichever got the signal.
     """
     args = run.args
     if args.steps and state.opt_step >= args.steps:
@@ -851,8 +860,10 @@ def batch_pipeline(run: Run, state: TrainState, loader_state, stop: preemption.S
         with contextlib.closing(pool):
             yield pool
         return
-    stop_waiting = (lambda: bool(stop.wish)) if stop is not None and run.world_size == 1 else None
-    with prefetched(items, run.device, stop_waiting=stop_waiting, step_items=args.grad_accum) as batches:
+    wish = (lambda: stop.wish) if stop is not None else (lambda: 0)
+    gate = preemption.StepGate(state.opt_step, run.world_size, run.rank) if run.world_size > 1 else None
+    stop_waiting = (lambda step: gate.gives_way(step, wish())) if gate else (lambda step: bool(wish()))
+    with prefetched(items, run.device, stop_waiting=stop_waiting, step_items=args.grad_accum, gate=gate) as batches:
         yield batches
 
 

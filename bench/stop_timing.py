@@ -20,8 +20,7 @@ The bound the run promises (issue 38) is one training step, its batch included, 
 save plus 1 s: `step_s` is the median time between logged steps (`--log-every 1`), `save_s`
 what the stop's "saved" line says.
 
-Cases, each on one process (with several ranks the step in progress also waits for the
-vote; see README "Preemption"):
+Cases, on one process unless named for ranks:
 - mid-epoch: 100,000 rows, epochs of thousands of steps, no loader workers;
 - epoch-end: 8-step epochs, no workers (every moment is near an epoch's end);
 - epoch-start-workers: 8-step epochs with `--num-workers 2`: each epoch's workers start
@@ -29,6 +28,9 @@ vote; see README "Preemption"):
 - store-retrying: the table on a local S3 server (moto) that is frozen (SIGSTOP) for a
   random while before the signal, so the loader's reads hang and retry (`--loader-buffer-mb
   1`, so little is read ahead). Needs moto (the `test` extra).
+- store-retrying-2-ranks: the same under torchrun with 2 ranks (2 rows each), SIGTERM sent to
+  torchrun, which passes it to both: the ranks must agree that the step neither holds its
+  batches for is not begun (preemption.StepGate).
 """
 
 from __future__ import annotations
@@ -59,11 +61,12 @@ DEFAULT_OUT = os.path.join(REPO, "bench", "results", "stop_timing.json")
 BATCH, SPLITS, SEQ_LEN = 4, 4, 64
 DOC_TOKENS = (10, 60)
 EPOCH_STEPS = 8
-CASES = {  # name -> (rows, extra train.py flags, on S3)
-    "mid-epoch": (100_000, [], False),
-    "epoch-end": (EPOCH_STEPS * BATCH, ["--epochs", "100000"], False),
-    "epoch-start-workers": (EPOCH_STEPS * BATCH, ["--epochs", "100000", "--num-workers", "2"], False),
-    "store-retrying": (100_000, ["--loader-buffer-mb", "1"], True),
+CASES = {  # name -> (rows, extra train.py flags, on S3, ranks)
+    "mid-epoch": (100_000, [], False, 1),
+    "epoch-end": (EPOCH_STEPS * BATCH, ["--epochs", "100000"], False, 1),
+    "epoch-start-workers": (EPOCH_STEPS * BATCH, ["--epochs", "100000", "--num-workers", "2"], False, 1),
+    "store-retrying": (100_000, ["--loader-buffer-mb", "1"], True, 1),
+    "store-retrying-2-ranks": (100_000, ["--loader-buffer-mb", "1"], True, 2),
 }
 MOMENT_S = (0.0, 3.0)  # the random wait after the first logged step
 FREEZE_S = (1.0, 4.0)  # store-retrying: how long the store is frozen before the signal
@@ -74,9 +77,9 @@ STEP_LINE = re.compile(r"^epoch \d+ step (\d+)/")
 CKPT = re.compile(r"^step_\d{8}\.pt$")
 
 
-def session_processes(sid: int) -> list[int]:
-    """The live processes of session `sid` (train.py started with start_new_session)."""
-    found = []
+def live_processes() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, session id) of every live process."""
+    found = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -85,9 +88,22 @@ def session_processes(sid: int) -> list[int]:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if fields[0] not in ("Z", "X") and int(fields[3]) == sid:
-            found.append(int(name))
+        if fields[0] not in ("Z", "X"):
+            found[int(name)] = (int(fields[1]), int(fields[3]))
     return found
+
+
+def session_processes(sid: int, known: set[int] = frozenset()) -> list[int]:
+    """The live processes of session `sid` (train.py started with start_new_session), its
+    descendants (torchrun starts each worker in a session of its own), and those of `known`."""
+    live = live_processes()
+    found = {pid for pid, (_, session) in live.items() if session == sid} | (known & live.keys())
+    grown = True
+    while grown:
+        more = {pid for pid, (parent, _) in live.items() if parent in found} - found
+        found |= more
+        grown = bool(more)
+    return sorted(found)
 
 
 def process_name(pid: int) -> str:
@@ -124,20 +140,21 @@ class Lines:
         return statistics.median(gaps) if gaps else None
 
 
-def train_command(db: str, ckpt: str, extra: list[str]) -> list[str]:
-    return [sys.executable, os.path.join(REPO, "train.py"), "--db", db, "--model", "tiny",
-            "--seq-len", str(SEQ_LEN), "--batch-size", str(BATCH), "--num-splits", str(SPLITS),
+def train_command(db: str, ckpt: str, extra: list[str], ranks: int) -> list[str]:
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] if ranks > 1 else []
+    return [sys.executable, *launch, os.path.join(REPO, "train.py"), "--db", db, "--model", "tiny",
+            "--seq-len", str(SEQ_LEN), "--batch-size", str(BATCH // ranks), "--num-splits", str(SPLITS),
             "--steps", "1000000", "--lr-total-steps", "1000", "--warmup-steps", "10",
             "--ckpt-every", "1000000", "--log-every", "1", "--ckpt-dir", ckpt, *extra]
 
 
 def one_trial(db: str, work: str, case: str, rng: random.Random, env: dict, store: subprocess.Popen | None) -> dict:
-    _, extra, _ = CASES[case]
+    _, extra, _, ranks = CASES[case]
     ckpt = tempfile.mkdtemp(prefix="ck-", dir=work)
-    proc = subprocess.Popen(train_command(db, ckpt, extra), cwd=work, env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(train_command(db, ckpt, extra, ranks), cwd=work, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines = Lines(proc)
-    frozen = False
+    frozen, tree = False, set()
     try:
         if not lines.first_step.wait(TIMEOUT_S):
             raise RuntimeError(f"{case}: no step logged within {TIMEOUT_S} s:\n{lines.text()}")
@@ -147,6 +164,7 @@ def one_trial(db: str, work: str, case: str, rng: random.Random, env: dict, stor
             store.send_signal(signal.SIGSTOP)
             frozen = True
             time.sleep(rng.uniform(*FREEZE_S))
+        tree = set(session_processes(proc.pid))
         signalled = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         saved = None
@@ -157,15 +175,15 @@ def one_trial(db: str, work: str, case: str, rng: random.Random, env: dict, stor
         if proc.poll() is None:
             raise RuntimeError(f"{case}: still running {TIMEOUT_S} s after SIGTERM:\n{lines.text()}")
         exited = time.monotonic()
-        left = [process_name(pid) for pid in session_processes(proc.pid)]
+        left = [process_name(pid) for pid in session_processes(proc.pid, tree)]
         time.sleep(LINGER_S)
-        lingering = [process_name(pid) for pid in session_processes(proc.pid)]
+        lingering = [process_name(pid) for pid in session_processes(proc.pid, tree)]
         if saved is None and any(CKPT.match(n) for n in os.listdir(ckpt)):
             saved = exited
     finally:
         if frozen:
             store.send_signal(signal.SIGCONT)
-        kill_all(session_processes(proc.pid))
+        kill_all(session_processes(proc.pid, tree))
         proc.wait()
     text = lines.text()
     save_s = float(SAVED.findall(text)[-1][1]) if SAVED.search(text) else None
@@ -248,7 +266,7 @@ def main(argv=None) -> None:
     store, results = None, []
     try:
         for case in opts.cases:
-            rows, _, on_s3 = CASES[case]
+            rows, _, on_s3, _ = CASES[case]
             env = {**os.environ, "PYTHONUNBUFFERED": "1"}
             if on_s3:
                 if store is None:
@@ -275,7 +293,8 @@ def main(argv=None) -> None:
     print_table(results)
     settings = {"model": "tiny", "batch_size": BATCH, "num_splits": SPLITS, "seq_len": SEQ_LEN,
                 "epoch_steps": EPOCH_STEPS, "moment_s": MOMENT_S, "freeze_s": FREEZE_S, "seed": opts.seed,
-                "cases": {c: {"rows": CASES[c][0], "flags": CASES[c][1], "s3": CASES[c][2]} for c in opts.cases}}
+                "cases": {c: {"rows": CASES[c][0], "flags": CASES[c][1], "s3": CASES[c][2], "ranks": CASES[c][3]}
+                          for c in opts.cases}}
     write_json(opts.out, {"machine": machine_info(), "settings": settings, "results": results})
     print(f"wrote {opts.out}")
 

@@ -18,6 +18,7 @@ from blocks_loaders import read_manifest
 from conftest import (assert_user_error, free_port, is_alive, kill_tree, make_bucket, pids_mentioning, process_tree,
                       read_trace, run_script, run_trains, start_train, wait_gone)
 from test_elastic import per_step, resumed_from
+from test_fault_tolerance import rank_pids
 from test_preemption import wait_for_steps
 
 pytestmark = pytest.mark.slow  # trains or ingests in processes of its own: `-m "not slow"` leaves it out
@@ -235,4 +236,40 @@ def test_a_stop_while_the_store_hangs_saves_at_once_and_a_second_ctrl_c_ends_the
     assert err.strip().splitlines()[-1].startswith("interrupted by a second Ctrl-C"), err
     assert saved < 5 and list(ck.glob("step_*[0-9].pt")), (saved, out + err)
     assert exited < 3, exited
+    assert survivors == [], [open(f"/proc/{pid}/cmdline").read() for pid in survivors if is_alive(pid)]
+
+
+def test_a_stop_to_one_rank_while_the_store_hangs_checkpoints_every_rank_at_once(corpora, s3_env, tmp_path):
+    """Two ranks (--grad-accum 2) starve at the next epoch's start, the store frozen, and
+    SIGTERM reaches rank 1 alone. The step neither rank has its batches for is called off
+    for both (preemption.StepGate): they checkpoint the last step at once, together, and the
+    run exits 0 after its bounded teardown, leaving no process behind. Without the gate both
+    wait out the store's retry budget, then exit 3."""
+    (store,) = pids_mentioning(f"moto.server -H 127.0.0.1 -p {s3_env['AWS_ENDPOINT_URL'].rsplit(':', 1)[1]}")
+    ck, trace = tmp_path / "ck-hang2", tmp_path / "trace-hang2"
+    proc = start_train(2, *run_flags(corpora["remote"], 2, "row", tmp_path, "hang2", "--epochs", 1000,
+                                     "--ckpt-every", 100000, "--loader-buffer-mb", 1), cwd=tmp_path)
+    try:
+        wait_for_steps(trace, 2, proc)
+        os.kill(store, signal.SIGSTOP)
+        time.sleep(3)  # the read-ahead drains; the next epoch's permutation cannot be read
+        tree = process_tree(proc.pid)
+        sent = time.monotonic()
+        for pid in rank_pids(proc.pid)[1]:
+            os.kill(pid, signal.SIGTERM)
+        while not list(ck.glob("step_*[0-9].pt")) and proc.poll() is None and time.monotonic() - sent < 30:
+            time.sleep(0.01)
+        saved = time.monotonic() - sent
+        out, err = proc.communicate(timeout=30)
+        exited = time.monotonic() - sent
+        survivors = wait_gone(tree, timeout=2)
+    finally:
+        os.kill(store, signal.SIGCONT)
+        kill_tree(proc.pid)
+    assert proc.returncode == 0 and "Traceback" not in err, out + err
+    assert saved < 5, (saved, out + err)
+    (path,) = ck.glob("step_????????.pt")  # the main file; each rank adds its own
+    steps = {rank: [r["step"] for r in records] for rank, records in read_trace(trace).items()}
+    assert steps[0] == steps[1] and steps[0][-1] == int(path.stem.split("_")[1]), (steps, path)
+    assert exited < saved + 15, exited
     assert survivors == [], [open(f"/proc/{pid}/cmdline").read() for pid in survivors if is_alive(pid)]
