@@ -123,6 +123,14 @@ MUTATIONS = (
              "        return trainable(input_ids, mask, doc_ids), mask.sum()",
              "        return trainable(input_ids, mask, doc_ids), torch.ones_like(mask).sum()",
              ("tests/test_figures.py::test_tokens_seen_is_the_real_tokens_of_the_traced_samples",)),
+    Mutation("data-wait-in-cpu-time", "data_wait counts the thread's CPU time, not the wall time blocked", "data.py",
+             "            self.waited += time.perf_counter() - start",
+             "            self.waited += time.thread_time() - cpu",
+             ("tests/test_figures.py::test_data_wait_is_the_loader_stall_seen_from_outside",)),
+    Mutation("mfu-over-one-device", "MFU divides every rank's tokens by one device's peak", "train.py",
+             "        mfu = run.flops_per_token * tps / (run.world_size * run.peak_flops) if run.peak_flops else None",
+             "        mfu = run.flops_per_token * tps / run.peak_flops if run.peak_flops else None",
+             ("tests/test_figures.py::test_mfu_is_the_model_flops_at_the_outside_pace_over_the_given_peak",)),
 )
 
 

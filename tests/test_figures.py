@@ -1,11 +1,16 @@
 """The figures a user reads, held to counts made outside the code that logs them: tokens_seen
 from the trace's samples looked up in the table, tok/s from the samples of each log interval
-and the wall clock between two log lines as they reached this process, on two ranks with
---grad-accum 2; and the log line, the metrics file and TensorBoard saying the same."""
+and the wall clock between two log lines as they reached this process, MFU from those and
+the parameter count the run prints, data_wait from a stall of the loader this test makes
+(its worker processes stopped for a while), on two ranks with --grad-accum 2; and the log
+line, the metrics file and TensorBoard saying the same."""
 
 import hashlib
 import json
+import os
 import re
+import signal
+import statistics
 import threading
 import time
 
@@ -15,11 +20,14 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from common import load_tokenizer, synthetic_corpus
-from conftest import kill_tree, read_trace, start_train
+from conftest import kill_tree, process_tree, read_trace, start_train
+from test_fault_tolerance import rank_pids
 
 pytestmark = pytest.mark.slow  # trains in processes of its own: `-m "not slow"` leaves it out
 
 STEPS, LOG_EVERY, SEQ_LEN = 15, 3, 64
+PEAK_TFLOPS = 0.05  # --peak-tflops: a CPU has no datasheet peak, so the test gives one
+STALL_AFTER, STALL_S = 6, 3.0  # rank 0's loader worker is stopped once step 6's line is in, for 3 s
 LOG = re.compile(r"^epoch \d+ step (\d+)/\d+ \| loss ([\d.]+) \| ([\d,]+) tok/s \| mfu (\S+) .*"
                  r"\| data_wait ([\d.]+)% \|")
 CLOCK_NOISE = 0.3  # a log line's print against its arrival here, over ~0.5 s, on a busy 2-core CI machine (17% seen)
@@ -35,16 +43,27 @@ def run(tmp_path_factory):
                        "--grad-accum", 2, "--num-splits", 4, "--steps", STEPS, "--log-every", LOG_EVERY,
                        "--ckpt-every", 1000, "--warmup-steps", 2, "--metrics-file", root / "metrics.jsonl",
                        "--tensorboard", root / "tb", "--trace-samples", root / "trace", "--ckpt-dir", root / "ck",
-                       cwd=root)
-    lines = []
+                       "--num-workers", 1, "--peak-tflops", PEAK_TFLOPS, cwd=root)
+    lines, stall_line = [], threading.Event()
 
     def read():
         for line in proc.stdout:
             lines.append((time.monotonic(), line.rstrip("\n")))
+            if (m := LOG.match(line)) and int(m[1]) == STALL_AFTER:
+                stall_line.set()
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
+        assert stall_line.wait(timeout=240), "\n".join(line for _, line in lines)
+        (rank0,) = [pid for pid in rank_pids(proc.pid)[0] if b"train.py" in open(f"/proc/{pid}/cmdline", "rb").read()]
+        loader = process_tree(rank0)[1:]  # its forkserver, resource tracker and worker
+        assert len(loader) >= 2, "no loader worker under rank 0"
+        for pid in loader:
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(STALL_S)
+        for pid in loader:
+            os.kill(pid, signal.SIGCONT)
         proc.wait(timeout=300)
         reader.join(timeout=10)
         err = proc.stderr.read()
@@ -129,5 +148,50 @@ def test_the_log_line_the_metrics_file_and_tensorboard_agree(run):
         assert round(r["data_wait"], 3) == pytest.approx(data_wait, abs=5e-4) and 0 <= r["data_wait"] <= 1
         assert board["train/data_wait"][step] == pytest.approx(r["data_wait"], rel=1e-6)
         assert board["train/tokens_seen"][step] == pytest.approx(r["tokens_seen"], rel=1e-6)
-        assert mfu == "n/a" and r["mfu"] is None  # no peak for a CPU: none made up
-    assert "train/mfu" not in board
+        assert float(mfu.rstrip("%")) == pytest.approx(100 * r["mfu"], abs=0.051)
+        assert board["train/mfu"][step] == pytest.approx(r["mfu"], rel=1e-6)
+
+
+def flops_per_token(run):
+    """6N + 12 x layers x width x seq_len (nanoGPT's count, the one the README states), N
+    without the position table, all from the weights in the run's checkpoint; N is also the
+    count the run prints."""
+    import torch
+
+    (path,) = (run["root"] / "ck").glob("step_????????.pt")
+    weights = torch.load(path, map_location="cpu", weights_only=False)["model"]
+    unique = {t.untyped_storage().data_ptr(): t.numel() for t in weights.values()}  # tied weights once
+    params = sum(unique.values()) - weights["transformer.wpe.weight"].numel()
+    printed = re.search(r"params=([\d,]+)", "\n".join(line for _, line in run["lines"]))[1]
+    assert int(printed.replace(",", "")) == params
+    layers = len({key.split(".")[2] for key in weights if key.startswith("transformer.h.")})
+    width = weights["transformer.wte.weight"].shape[1]
+    return 6 * params + 12 * layers * width * SEQ_LEN
+
+
+def test_mfu_is_the_model_flops_at_the_outside_pace_over_the_given_peak(run):
+    """Each interval's MFU: the flops per token times the outside tok/s, over two ranks'
+    --peak-tflops; and exactly the logged tok/s's share of that peak."""
+    steps, lines, per_token = steps_of(run["root"]), logged(run), flops_per_token(run)
+    marks = sorted(lines)
+    for before, step in zip(marks, marks[1:]):
+        outside = sum(len(steps[s]) for s in range(before + 1, step + 1)) * SEQ_LEN / (lines[step][0] - lines[before][0])
+        mfu = float(lines[step][2].rstrip("%")) / 100
+        assert abs(mfu / (per_token * outside / (2 * PEAK_TFLOPS * 1e12)) - 1) < CLOCK_NOISE, (step, mfu, outside)
+        assert mfu == pytest.approx(per_token * lines[step][1] / (2 * PEAK_TFLOPS * 1e12), abs=6e-4)
+
+
+def test_data_wait_is_the_loader_stall_seen_from_outside(run):
+    """The interval the stall fell in took `gap` s between its log lines where the others
+    took `usual`: its data_wait share of that interval is the excess, to the clock's noise;
+    every other interval waited less."""
+    lines = logged(run)
+    marks = sorted(lines)
+    gaps = {step: lines[step][0] - lines[before][0] for before, step in zip(marks, marks[1:])}
+    stalled = max(gaps, key=gaps.get)
+    usual = statistics.median(g for s, g in gaps.items() if s != stalled)
+    excess = gaps[stalled] - usual
+    assert excess > 1.0, gaps  # the stall outlasted what was read ahead
+    waited = lines[stalled][3] * gaps[stalled]
+    assert abs(waited - excess) < CLOCK_NOISE * excess + usual, (stalled, lines[stalled][3], gaps)
+    assert all(lines[s][3] < lines[stalled][3] for s in gaps if s != stalled), {s: lines[s][3] for s in lines}

@@ -279,8 +279,9 @@ def test_peak_flops_come_from_the_device_table_or_nowhere(name, peak):
     assert train.peak_bf16_flops(name) == peak
 
 
-def test_mfu_is_not_applicable_on_the_cpu():
+def test_mfu_is_not_applicable_on_the_cpu_unless_a_peak_is_given():
     assert train.peak_flops(torch.device("cpu")) == (None, "n/a on cpu")
+    assert train.peak_flops(torch.device("cpu"), 0.05) == (0.05e12, "0.05 TFLOPS peak per device (--peak-tflops)")
 
 
 def test_metrics_file_has_a_record_per_log_step_and_plots(demo_db, tmp_path, capsys):
