@@ -18,10 +18,12 @@ PATHS = {f"{p} {b}" for p in LANCE for b in ("bounded", "unbounded")} | {
 def quick(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("loader_memory")
     out = cwd / "x.json"
-    # start-up at two sizes 10x apart as --quick's, 10x smaller: the tests check that every size,
-    # split count and path runs and reports, not how start-up grows (a quarter of --quick's time)
-    proc = run_script("bench/loader_memory.py", "--quick", "--startup-rows", "2000,20000", "--out", out, cwd=cwd,
-                      timeout=400)
+    # Smaller than --quick where the tests check that each part runs and reports, not its
+    # figures: start-up at two sizes 10x apart, 10x smaller, on one split count (each size x
+    # split count x path is one process); half the tokens per path (the consumer's pace, a
+    # sleep, set each path's time); 4,000-row epochs at the boundary. About half its time.
+    proc = run_script("bench/loader_memory.py", "--quick", "--startup-rows", "2000,20000", "--startup-splits", "8",
+                      "--tokens", "250000", "--boundary-rows", "4000", "--out", out, cwd=cwd, timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc, json.loads(out.read_text()), cwd
 
