@@ -63,6 +63,9 @@ from metrics import (MetricsLog, RunRecords, TensorBoardLog, append_record, drop
                      summary_writer_class)
 from model import MODEL_SIZES, make_model
 
+# The loader workers' forkserver imports these once (forkserver_quiet first: Ctrl-C ignored
+# while it imports torch).
+FORKSERVER_PRELOAD = ["forkserver_quiet", "torch", "blocks_loaders", "data"]
 # Dense bf16 tensor-core peak per device, the dtype training runs in on CUDA. Datasheets
 # print the 2:4-sparse figure first (marked *); the dense one is half of it. The first
 # pattern found in torch.cuda.get_device_name() wins, so a board's variants (PCIe, NVL)
@@ -1010,7 +1013,7 @@ def main(argv=None) -> None:
         # Loader workers fork from a server that has torch and the project imported
         # (Python <3.12 never preloads __main__): ~0.2 s per worker instead of ~5 s,
         # paid again every epoch. Nothing there has started lancedb's runtime.
-        mp.set_forkserver_preload(["torch", "blocks_loaders", "data"])
+        mp.set_forkserver_preload(FORKSERVER_PRELOAD)
         project_on_workers_path()
     if args.num_workers:
         # Before any StreamingDataset exists: its shared-memory stats are

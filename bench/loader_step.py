@@ -222,7 +222,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     try:
         opts = parse_args(argv)
-        mp.set_forkserver_preload(["torch", "blocks_loaders", "data"])  # as train.main
+        mp.set_forkserver_preload(train.FORKSERVER_PRELOAD)  # as train.main
         train.project_on_workers_path()
         mp.set_start_method("forkserver", force=True)
         data.ensure_demo_corpus(opts, 0, 1)

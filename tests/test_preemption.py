@@ -288,9 +288,24 @@ def test_an_unexpected_error_inside_the_step_tears_the_loaders_down(short_epochs
 
 STARTUP_MOMENTS = {  # when to press Ctrl-C: a condition on the run's age, process tree and trace
     "importing": lambda age, tree, steps: age >= 0.5,  # past the interpreter's own start: importing torch
-}  # once training: test_a_stop_signal_ends_a_single_process_run_with_exit_0[Ctrl-C]. Not yet while the
-# forkserver (the first child) imports torch for the workers: on a busy CI machine it printed a
-# KeyboardInterrupt; starting it early with Ctrl-C blocked broke the epoch-start stop (issue 38).
+    "forkserver importing": lambda age, tree, steps: any(forkserver_age(pid) >= 0.3 for pid in tree),
+    "workers starting": lambda age, tree, steps: len(tree) >= 4,  # the tracker, the forkserver, a worker
+}  # once training: test_a_stop_signal_ends_a_single_process_run_with_exit_0[Ctrl-C]
+
+
+def forkserver_age(pid):
+    """Seconds since `pid` started if it is a forkserver (past its interpreter's own start, in
+    its preload: torch), else -1."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"multiprocessing.forkserver" not in f.read():
+                return -1
+        with open(f"/proc/{pid}/stat") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0]) - started
+    except (OSError, ValueError):
+        return -1
 
 
 @pytest.mark.parametrize("moment", STARTUP_MOMENTS)
