@@ -237,9 +237,9 @@ def test_a_damaged_data_file_at_start_up_is_one_line(corpus, tmp_path, how, npro
     assert check_left_behind(ck, pids_mentioning(str(ck)), 0) == 0
 
 
-# Each of deleted/truncated, 1/2 ranks and 0/2 loader workers, in four runs.
-@pytest.mark.parametrize("how,nproc,workers", [("deleted", 1, 0), ("truncated", 1, 2), ("deleted", 2, 2),
-                                               ("truncated", 2, 0)])
+# Each of deleted/truncated, 1/2 ranks and 0/2 loader workers, in three runs (2 ranks with
+# and without workers: their pipelines end differently, and a peer waits at the StepGate).
+@pytest.mark.parametrize("how,nproc,workers", [("truncated", 1, 2), ("deleted", 2, 2), ("truncated", 2, 0)])
 def test_a_data_file_damaged_mid_epoch_ends_the_run_in_one_line(corpus, straight, tmp_path, how, nproc, workers):
     """The one-row append's file is damaged after step DAMAGE_AT; rank 0 meets it when its
     loader reads ahead of the lonely row's step, a loader worker process where there are some."""
