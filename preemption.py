@@ -156,6 +156,9 @@ class StopVote:
         self.pending = None
 
 
+GO, HALT = b"go", b"halt"  # StepGate's words
+
+
 class StepGate:
     """Ranks agree, before each optimizer step, whether it begins at all.
 
@@ -209,9 +212,6 @@ class StepGate:
         if self.rank == 0 and step >= 0:
             for what in ("ready", "word"):
                 self.batch_store.delete_key(self._key(step, what))
-
-
-GO, HALT = b"go", b"halt"  # StepGate's words
 
 
 def is_running(pid: int) -> bool:

@@ -5,6 +5,7 @@ modes from s3://, and one clear line (quickly) when the store is unreachable or 
 does not exist.
 """
 
+import contextlib
 import json
 import os
 import random
@@ -201,37 +202,49 @@ def test_a_store_that_fails_is_one_line(s3_env, corpora, tmp_path, request, scri
     assert not list(tmp_path.glob("ck*")) and not (tmp_path / "checkpoints").exists()
 
 
+@contextlib.contextmanager
+def starved(proc, trace, s3_env):
+    """Once the run has traced 2 steps, the store freezes (moto SIGSTOPped: requests hang) and
+    3 s later the read-ahead is drained and the next epoch's permutation cannot be read: the
+    loader starves. Yields the run's process tree; the store thaws and the run's tree is
+    killed on the way out."""
+    (store,) = pids_mentioning(f"moto.server -H 127.0.0.1 -p {s3_env['AWS_ENDPOINT_URL'].rsplit(':', 1)[1]}")
+    try:
+        wait_for_steps(trace, 2, proc)
+        os.kill(store, signal.SIGSTOP)
+        time.sleep(3)
+        yield process_tree(proc.pid)
+    finally:
+        os.kill(store, signal.SIGCONT)
+        kill_tree(proc.pid)
+
+
+def seconds_to_saved(ck, proc, sent):
+    """Seconds from `sent` until a checkpoint is in `ck` (or the run ended, or 30 s passed)."""
+    while not list(ck.glob("step_*[0-9].pt")) and proc.poll() is None and time.monotonic() - sent < 30:
+        time.sleep(0.01)
+    return time.monotonic() - sent
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_stop_while_the_store_hangs_saves_at_once_and_a_second_ctrl_c_ends_the_teardown(
         corpora, s3_env, tmp_path, workers):
-    """The store freezes (moto SIGSTOPped: requests hang) and the loader starves at the next
-    epoch's start. A Ctrl-C then checkpoints the last step at once: the wait for a batch gives
-    way, and the checkpoint does not wait for the loader's teardown, which cannot end while
-    reads hang. A second Ctrl-C during that teardown exits 130 at once, with one line, and
-    leaves no loader worker (nor forkserver) behind."""
-    (store,) = pids_mentioning(f"moto.server -H 127.0.0.1 -p {s3_env['AWS_ENDPOINT_URL'].rsplit(':', 1)[1]}")
+    """The loader starves (the store frozen). A Ctrl-C then checkpoints the last step at once:
+    the wait for a batch gives way, and the checkpoint does not wait for the loader's teardown,
+    which cannot end while reads hang. A second Ctrl-C during that teardown exits 130 at once,
+    with one line, and leaves no loader worker (nor forkserver) behind."""
     ck, trace = tmp_path / "ck-hang", tmp_path / "trace-hang"
     proc = start_train(1, *run_flags(corpora["remote"], 1, "row", tmp_path, "hang", "--epochs", 1000,
                                      "--ckpt-every", 100000, "--loader-buffer-mb", 1, "--num-workers", workers),
                        cwd=tmp_path)
-    try:
-        wait_for_steps(trace, 2, proc)
-        os.kill(store, signal.SIGSTOP)
-        time.sleep(3)  # the read-ahead drains; the next epoch's permutation cannot be read
-        tree = process_tree(proc.pid)
-        sent = time.monotonic()
+    with starved(proc, trace, s3_env) as tree:
         proc.send_signal(signal.SIGINT)
-        while not list(ck.glob("step_*[0-9].pt")) and proc.poll() is None and time.monotonic() - sent < 30:
-            time.sleep(0.01)
-        saved = time.monotonic() - sent
+        saved = seconds_to_saved(ck, proc, time.monotonic())
         again = time.monotonic()
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=30)
         exited = time.monotonic() - again
         survivors = wait_gone(tree, timeout=2)
-    finally:
-        os.kill(store, signal.SIGCONT)
-        kill_tree(proc.pid)
     assert proc.returncode == 130 and "Traceback" not in err, out + err
     assert err.strip().splitlines()[-1].startswith("interrupted by a second Ctrl-C"), err
     assert saved < 5 and list(ck.glob("step_*[0-9].pt")), (saved, out + err)
@@ -240,32 +253,22 @@ def test_a_stop_while_the_store_hangs_saves_at_once_and_a_second_ctrl_c_ends_the
 
 
 def test_a_stop_to_one_rank_while_the_store_hangs_checkpoints_every_rank_at_once(corpora, s3_env, tmp_path):
-    """Two ranks (--grad-accum 2) starve at the next epoch's start, the store frozen, and
-    SIGTERM reaches rank 1 alone. The step neither rank has its batches for is called off
-    for both (preemption.StepGate): they checkpoint the last step at once, together, and the
-    run exits 0 after its bounded teardown, leaving no process behind. Without the gate both
-    wait out the store's retry budget, then exit 3."""
-    (store,) = pids_mentioning(f"moto.server -H 127.0.0.1 -p {s3_env['AWS_ENDPOINT_URL'].rsplit(':', 1)[1]}")
+    """Two ranks (--grad-accum 2) starve (the store frozen), and SIGTERM reaches rank 1 alone.
+    The step neither rank has its batches for is called off for both (preemption.StepGate):
+    they checkpoint the last step at once, together, and the run exits 0 after its bounded
+    teardown, leaving no process behind. Without the gate both wait out the store's retry
+    budget, then exit 3."""
     ck, trace = tmp_path / "ck-hang2", tmp_path / "trace-hang2"
     proc = start_train(2, *run_flags(corpora["remote"], 2, "row", tmp_path, "hang2", "--epochs", 1000,
                                      "--ckpt-every", 100000, "--loader-buffer-mb", 1), cwd=tmp_path)
-    try:
-        wait_for_steps(trace, 2, proc)
-        os.kill(store, signal.SIGSTOP)
-        time.sleep(3)  # the read-ahead drains; the next epoch's permutation cannot be read
-        tree = process_tree(proc.pid)
+    with starved(proc, trace, s3_env) as tree:
         sent = time.monotonic()
         for pid in rank_pids(proc.pid)[1]:
             os.kill(pid, signal.SIGTERM)
-        while not list(ck.glob("step_*[0-9].pt")) and proc.poll() is None and time.monotonic() - sent < 30:
-            time.sleep(0.01)
-        saved = time.monotonic() - sent
+        saved = seconds_to_saved(ck, proc, sent)
         out, err = proc.communicate(timeout=30)
         exited = time.monotonic() - sent
         survivors = wait_gone(tree, timeout=2)
-    finally:
-        os.kill(store, signal.SIGCONT)
-        kill_tree(proc.pid)
     assert proc.returncode == 0 and "Traceback" not in err, out + err
     assert saved < 5, (saved, out + err)
     (path,) = ck.glob("step_????????.pt")  # the main file; each rank adds its own
