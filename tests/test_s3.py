@@ -204,15 +204,21 @@ def test_a_store_that_fails_is_one_line(s3_env, corpora, tmp_path, request, scri
 
 @contextlib.contextmanager
 def starved(proc, trace, s3_env):
-    """Once the run has traced 2 steps, the store freezes (moto SIGSTOPped: requests hang) and
-    3 s later the read-ahead is drained and the next epoch's permutation cannot be read: the
-    loader starves. Yields the run's process tree; the store thaws and the run's tree is
-    killed on the way out."""
+    """Once the run has traced 2 steps, the store freezes (moto SIGSTOPped: requests hang);
+    once no step has been traced for 3 s, the read-ahead is drained and the next epoch's
+    permutation cannot be read: the loader starves. Yields the run's process tree; the store
+    thaws and the run's tree is killed on the way out."""
     (store,) = pids_mentioning(f"moto.server -H 127.0.0.1 -p {s3_env['AWS_ENDPOINT_URL'].rsplit(':', 1)[1]}")
     try:
         wait_for_steps(trace, 2, proc)
         os.kill(store, signal.SIGSTOP)
-        time.sleep(3)
+        traced, since, deadline = -1, time.monotonic(), time.monotonic() + 120
+        while time.monotonic() - since < 3:  # a slow machine drains the epoch's read-ahead later
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            now = sum(len(records) for records in read_trace(trace).values())
+            if now != traced:
+                traced, since = now, time.monotonic()
+            time.sleep(0.1)
         yield process_tree(proc.pid)
     finally:
         os.kill(store, signal.SIGCONT)
