@@ -76,7 +76,6 @@ class Prefetcher:
         self._step_items = step_items
         self._taken = 0
         self._gate = gate
-        self._gate_lock = threading.Lock()  # the thread's next gate against close's abandon
         self._passed = 0  # steps the gate let through: their items are coming
         self._halted = False  # the gate called step `_passed` off
         self.interrupted = False
@@ -123,14 +122,14 @@ class Prefetcher:
         """Stop making batches and close the pipeline (its worker processes included), waiting
         at most `timeout` s; then kill the loader workers that are left. Returns whether it all
         ended in time. A KeyboardInterrupt (a second Ctrl-C) kills them at once."""
-        with self._gate_lock:
-            self._stop.set()
-            if self._gate is not None and not self._halted:
-                # The next step this rank would begin is called off for every rank, so no
-                # peer waits for it (in the gate, or for this rank's batches) once this rank
-                # is gone; it also ends this thread's own wait there.
-                with contextlib.suppress(RuntimeError):  # the store went with a peer: nothing to end
-                    self._gate.abandon(self._passed)
+        self._stop.set()
+        if self._gate is not None and not self._halted:
+            # The next step this rank would begin is called off for every rank, so no peer
+            # waits for it (in the gate, or for this rank's batches) once this rank is gone;
+            # it also ends this thread's own wait there. Should the thread pass that step
+            # first, the word is GO, and it stops at its next gate (the stop is set).
+            with contextlib.suppress(RuntimeError):  # the store went with a peer: nothing to end
+                self._gate.abandon(self._passed)
         self._finished = True
         deadline = time.monotonic() + timeout
         try:
@@ -166,9 +165,8 @@ class Prefetcher:
     def _through_gate(self) -> bool:
         """Wait for every rank to hold this step's items (StepGate.ready); False: HALT, or
         the pipeline is closing."""
-        with self._gate_lock:
-            if self._stop.is_set():
-                return False
+        if self._stop.is_set():
+            return False
         step = self._passed
         if not self._gate.ready(step):
             self._halted = True
@@ -192,11 +190,12 @@ class Prefetcher:
                 if pin:
                     batch = {key: value.pin_memory() for key, value in batch.items()}
                 step_items.append((epoch, position, batch))
-                if self._gate is not None and len(step_items) < self._step_items:
-                    continue
-                if self._gate is not None and not self._through_gate():
-                    self._put(_HALTED)
-                    break
+                if self._gate is not None:
+                    if len(step_items) < self._step_items:
+                        continue
+                    if not self._through_gate():
+                        self._put(_HALTED)
+                        break
                 if not all(self._put(item) for item in step_items):
                     break
                 step_items.clear()
