@@ -20,10 +20,13 @@ def quick(tmp_path_factory):
     out = cwd / "x.json"
     # Smaller than --quick where the tests check that each part runs and reports, not its
     # figures: start-up at two sizes 10x apart, 10x smaller, on one split count (each size x
-    # split count x path is one process); half the tokens per path (the consumer's pace, a
-    # sleep, set each path's time); 4,000-row epochs at the boundary. About half its time.
+    # split count x path is one process); 200,000 tokens per path at a third of the pace:
+    # 2 s of consuming, 8 RSS samples, of which a loaded machine's sampler still takes the 3
+    # a slope needs (at --quick's pace and half its tokens, one path got 2 in a CI run);
+    # 4,000-row epochs at the boundary. About half its time.
     proc = run_script("bench/loader_memory.py", "--quick", "--startup-rows", "2000,20000", "--startup-splits", "8",
-                      "--tokens", "250000", "--boundary-rows", "4000", "--out", out, cwd=cwd, timeout=400)
+                      "--tokens", "200000", "--tokens-per-s", "100000", "--boundary-rows", "4000", "--out", out,
+                      cwd=cwd, timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc, json.loads(out.read_text()), cwd
 
