@@ -27,6 +27,7 @@ import os
 import re
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -157,6 +158,7 @@ class StopVote:
 
 
 GO, HALT = b"go", b"halt"  # StepGate's words
+GATE_POLL_FIRST_S, GATE_POLL_MAX_S = 0.001, 0.01  # StepGate.ready's pauses between looks at the word
 
 
 class StepGate:
@@ -189,10 +191,24 @@ class StepGate:
         return f"{self.prefix}/{step}/{what}"
 
     def ready(self, step: int) -> bool:
-        """This rank holds step `step`'s micro-batches; wait for the word. True: GO."""
+        """This rank holds step `step`'s micro-batches; wait for the word. True: GO.
+
+        The wait polls (`check`) rather than blocking in the store's `get`: a `get` that
+        outlives the store's timeout (a hung peer) has c10d print a warning of its own, and
+        a lost peer must end in one line. Past the store's timeout (--dist-timeout) it
+        raises DistStoreError, which train.main reports as lost contact."""
+        word = self._key(step, "word")
         if self.batch_store.add(self._key(step, "ready"), 1) == self.world_size:
-            self.batch_store.compare_set(self._key(step, "word"), "", GO)
-        return self.batch_store.get(self._key(step, "word")) == GO
+            self.batch_store.compare_set(word, "", GO)
+        deadline = time.monotonic() + self.batch_store.timeout.total_seconds()
+        pause = GATE_POLL_FIRST_S
+        while not self.batch_store.check([word]):
+            if time.monotonic() > deadline:
+                raise dist.DistStoreError(f"timed out after {self.batch_store.timeout.total_seconds():.0f} s "
+                                          f"waiting for every rank to hold step {step}'s batches")
+            time.sleep(pause)
+            pause = min(2 * pause, GATE_POLL_MAX_S)
+        return self.batch_store.get(word) == GO
 
     def gives_way(self, step: int, wish: int) -> bool:
         """Asked while this rank waits for step `step`'s batches: whether the step is held
