@@ -21,6 +21,12 @@ REPO = Path(__file__).resolve().parent.parent
 # (tests/warm_python.py). Nothing here downloads anyway.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One intra-op thread per process, as torchrun gives its ranks: the suite's 2 workers already
+# fill the 2 cores with runs of several processes each, where a second thread per process only
+# oversubscribes them and OpenMP's waiting threads spin (a 40-step tiny run on the busy machine:
+# 92 s of CPU and 176 s of wall with torch's default 2 threads, 41 s and 82 s with 1). Set
+# before any torch import here and before the warm servers start, so every run sees it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def readme_command(marker: str) -> str:
@@ -511,18 +517,6 @@ def small_fs(tmp_path):
     yield mount
     for where in reversed(mounted):
         subprocess.run(["umount", "-l", str(where)], capture_output=True)
-
-
-@pytest.fixture(scope="module")
-def one_torch_thread():
-    """Tiny models on short rows gain nothing from a second intra-op thread, and on a busy
-    2-core machine it makes their passes many times slower."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def pytest_collection_modifyitems(items):

@@ -29,7 +29,6 @@ DOCS = 48
 LOSS_TOL = 1e-5
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

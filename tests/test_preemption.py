@@ -243,8 +243,8 @@ def test_a_stop_while_the_next_epochs_workers_start_is_saved_within_a_step(short
     finally:
         kill_tree(proc.pid)
     assert proc.returncode == 0 and STOPPED.search(out), out + err
-    gaps = sorted(b - a for a, b in zip(steps_at, steps_at[1:]) if b > a)
-    step_s = gaps[len(gaps) // 2]
+    # One step: the longest of those seen, as the step cut short may be on a busy machine.
+    step_s = max(b - a for a, b in zip(steps_at, steps_at[1:]) if b > a)
     save_s = float(re.search(r"saved \S+ \(([\d.]+) s", out)[1])
     assert saved is not None and saved - sent <= step_s + save_s + 1.0, (saved and saved - sent, step_s, save_s)
     assert exited - saved <= 10, exited - saved

@@ -41,7 +41,6 @@ from common import block_hashes, load_tokenizer
 from conftest import docs_table, read_trace
 from model import make_model
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TOK = load_tokenizer("byte")
 PAD = TOK.pad_token_id

@@ -18,7 +18,6 @@ import train
 from common import load_tokenizer
 from conftest import docs_table
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TOK = load_tokenizer("byte")
 EOS, PAD = TOK.eos_token_id, TOK.pad_token_id
