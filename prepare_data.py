@@ -92,6 +92,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+import lancedb_cloud
 import storage
 from common import (CORPUS_SCHEMA, DEFAULT_DB, DEFAULT_TABLE, LEGACY_SCHEMA, FastEncoder, UserError,
                     check_table_tokenizer, corpus_schema, is_remote, load_tokenizer, out_of_space, write_stream)
@@ -694,6 +695,8 @@ def write_corpus(chunks: Iterable[Chunk], db: str, table: str, opts: RowOptions,
         raise UserError("need 0 <= --val-fraction < 1 and --min-chars >= 0")
     if workers < 1:
         raise UserError(f"--workers must be at least 1, not {workers}")
+    if lancedb_cloud.is_cloud(db):
+        raise UserError(lancedb_cloud.NO_INGEST.format(db=db))
     start = time.perf_counter()
     check_destination(db, table)
     tok = load_tokenizer(opts.tokenizer)

@@ -11,6 +11,9 @@ Three libraries reach the store, and each is handed the same settings:
 - boto3 inside MosaicML streaming, through `export_for_boto3`, which puts the
   resolved endpoint and keys into the environment that boto3 reads.
 
+A LanceDB Cloud or Enterprise table (`db://NAME`) is reached through lancedb's remote
+client instead, with the settings and errors of lancedb_cloud.py.
+
 `connect_table` opens the corpus table (local or remote) and checks it has what training
 reads. `configure` is called once by each entrypoint with its `--storage-option` flags.
 Requests are bounded (a few retries, request timeouts), so a store that cannot be
@@ -36,6 +39,7 @@ import re
 import time
 from urllib.parse import urlparse
 
+import lancedb_cloud
 from common import TRAIN_COLUMNS, StorageFault, UserError, is_remote
 
 # Bounded by default: lance's own default retry budget is 180 s per request.
@@ -155,6 +159,8 @@ def connect(uri: str):
 
     if not is_remote(uri):
         return lancedb.connect(uri)
+    if lancedb_cloud.is_cloud(uri):
+        return lancedb_cloud.connect(uri, _flags, int(lance_options()["client_max_retries"]))
     probe(uri)
     try:
         return lancedb.connect(uri, storage_options=lance_options())
@@ -172,11 +178,14 @@ def connect_table(db: str, table: str):
     conn = connect(db)
     try:
         tbl = conn.open_table(table)
-    except (ValueError, FileNotFoundError, OSError) as e:
-        raise UserError(describe(e, db) or (
-            f"table {table!r} not found in {db!r} ({e}); create it with "
+        schema = tbl.schema
+    except Exception as e:
+        why = describe(e, db)
+        if why is None and not isinstance(e, (ValueError, FileNotFoundError, OSError)):
+            raise
+        raise UserError(why or (
+            f"table {table!r} not found in {db!r} ({first_line(e)}); create it with "
             f"`python prepare_data.py INPUT --db {db} --table {table}`")) from None
-    schema = tbl.schema
     for name, (what, ok) in TRAIN_COLUMNS.items():
         if name not in schema.names:
             raise UserError(
@@ -264,6 +273,8 @@ def describe(error: BaseException, uri: str) -> str | None:
     """A one-line explanation of an object-store failure, None when it is not one."""
     if not is_remote(uri):
         return None
+    if lancedb_cloud.is_cloud(uri):
+        return lancedb_cloud.describe(error, uri, _flags)
     text = str(error)
     where = endpoint_url() or "the default AWS endpoint"
     for pattern, message in _KINDS:
@@ -316,7 +327,7 @@ class StoreRetry:
             try:
                 result = read()
             except Exception as e:
-                if not _UNREACHABLE.search(str(e)):
+                if not unreachable(e):
                     raise
                 now = time.monotonic()
                 if self.failing_since is None:
@@ -331,16 +342,30 @@ class StoreRetry:
             return result
 
 
+def unreachable(error: BaseException) -> bool:
+    """Whether a read failed as an unreachable store (or LanceDB server) fails: worth trying again."""
+    return bool(_UNREACHABLE.search(str(error))) or lancedb_cloud.unreachable(error)
+
+
+def database(table) -> str:
+    """The database URI `table` (a lancedb table) was opened from: a directory, s3://..., db://NAME."""
+    db_name = getattr(table, "db_name", None)  # a remote table has no storage URI of its own
+    return f"db://{db_name}" if db_name is not None else str(table.uri).rstrip("/").rpartition("/")[0]
+
+
 def unretried(table):
     """`table` (a lancedb table, at its version) through a connection where lance makes each
     request once: StoreRetry retries the reads; a local table as it is."""
-    if not is_remote(str(table.uri)):
+    db = database(table)
+    if not is_remote(db):
         return table
     import lancedb
 
-    db = str(table.uri).rstrip("/").rpartition("/")[0]
-    reopened = lancedb.connect(db, storage_options={**lance_options(), "client_max_retries": "0"}) \
-        .open_table(table.name)
+    if lancedb_cloud.is_cloud(db):
+        conn = lancedb_cloud.connect(db, _flags, retries=0)
+    else:
+        conn = lancedb.connect(db, storage_options={**lance_options(), "client_max_retries": "0"})
+    reopened = conn.open_table(table.name)
     reopened.checkout(table.version)
     return reopened
 
@@ -363,26 +388,32 @@ def read_fault(error: BaseException, table) -> StorageFault | None:
     the table, its version and the file; None when the error is not a storage fault."""
     if isinstance(error, UserError):
         return None
-    text, uri = str(error), str(table.uri).rstrip("/")
+    text, db = str(error), database(table)
+    uri = f"{db}/{table.name}"
     try:
         version = f"version {table.version} of "
     except Exception:  # the table may be as unreadable as its data
         version = ""
-    what = f"cannot read {version}the table {table.name!r} in {uri.rpartition('/')[0]!r}"
+    what = f"cannot read {version}the table {table.name!r} in {db!r}"
     restore = ("restore the table's files from a backup or copy, or train a new run on an older "
                "version that does not use it (--data-version N)")
-    if isinstance(error, StoreGaveUp) or (is_remote(uri) and _UNREACHABLE.search(text)):
+    if isinstance(error, StoreGaveUp) or (is_remote(uri) and unreachable(error)):
         found = _ENDPOINT.search(text)
-        where = found.group(1) if found else endpoint_url() or "the default AWS endpoint"
+        if lancedb_cloud.is_cloud(db):
+            where = f"the LanceDB server at {lancedb_cloud.where(_flags)}"
+        else:
+            where = f"the object store at {found.group(1) if found else endpoint_url() or 'the default AWS endpoint'}"
         if isinstance(error, StoreGaveUp):
             waited, budget = f"for {error.seconds:.0f} s of retries", f"the retry budget is {error.budget_s:g} s"
         else:
             waited, budget = "after lance's retries", f"lance's retry budget per request is {retry_budget_s()} s"
-        return StorageFault(f"{what}: the object store at {where} could not be reached {waited} ({budget}: "
+        return StorageFault(f"{what}: {where} could not be reached {waited} ({budget}: "
                             f"--storage-option {RETRY_OPTION}=SECONDS); once it is back, continue "
                             f"with --resume auto")
-    if is_remote(uri) and (why := describe(error, uri)):
+    if is_remote(uri) and (why := describe(error, db)):
         return StorageFault(f"{what}: {why}")
+    if lancedb_cloud.is_cloud(db):
+        return None  # the server's files are its own: its errors stay lancedb's
     named = _DATA_FILE.search(text)
     if named and _MISSING.search(text):
         return StorageFault(f"{what}: its data file {named.group(0)} is missing; {restore}")
