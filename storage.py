@@ -101,7 +101,8 @@ def add_argument(parser) -> None:
         "(AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...) are read too, these win over them. "
         f"{RETRY_OPTION}=SECONDS is the retry budget (default {LANCE_DEFAULTS[RETRY_OPTION]}): "
         "how long a request, and each read of the training loader, is retried while the store "
-        "cannot be reached, before the run ends (exit 3)")
+        "cannot be reached, before the run ends (exit 3). For a db://NAME table: api_key=, "
+        "host_override= and region= (or LANCEDB_API_KEY, LANCEDB_HOST_OVERRIDE, LANCEDB_REGION)")
 
 
 def lance_options() -> dict[str, str]:
@@ -389,7 +390,7 @@ def read_fault(error: BaseException, table) -> StorageFault | None:
     if isinstance(error, UserError):
         return None
     text, db = str(error), database(table)
-    uri = f"{db}/{table.name}"
+    uri = f"{db}/{table.name}" if lancedb_cloud.is_cloud(db) else str(table.uri).rstrip("/")
     try:
         version = f"version {table.version} of "
     except Exception:  # the table may be as unreadable as its data
